@@ -1,0 +1,174 @@
+"""Paged attention over a packed batch: the PyTorch (CPU) backend.
+
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (PagedAttention, Kwon et al., SOSP 2023). A token's *slot* is
+``block_id * block_size + offset``; a sequence's *block table* lists its physical
+blocks in logical order.
+
+Exactness: the score, softmax and value reductions run in float64 and are
+rounded once to the model dtype. Their float64 summation order may depend on the
+shapes of the batch, but the error that leaves is ~1e-16 relative, far below one
+bfloat16/float32 ulp, so a query row's output does not depend on what else is in
+the batch, on how its prompt was chunked, or on whether its prefix came from the
+cache — greedy outputs are batch invariant (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by all layers.
+
+    Sequences are packed in order: sequence ``i``'s new tokens are
+    ``tokens[query_start_loc[i]:query_start_loc[i+1]]`` and sit at positions
+    ``seq_lens[i] - q_len_i ... seq_lens[i] - 1``.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64 cache slot of each new token.
+        query_start_loc: [num_seqs + 1] python ints (cumulative new-token counts).
+        seq_lens: [num_seqs] python ints, context length incl. this step's tokens.
+        block_tables: [num_seqs, max_blocks] int64 physical block ids (0-padded).
+        block_size: tokens per block.
+        decode_*: the batched path for sequences with exactly one new token:
+            ``decode_seq_ids`` (python ints), ``decode_token_idx`` [Sd] int64,
+            ``decode_slots`` [Sd, Lmax] int64 slots of every context position,
+            ``decode_mask`` [Sd, Lmax] bool (True = attend).
+        prefill_seq_ids: python ints of sequences with more than one new token.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor
+    block_size: int
+    decode_seq_ids: list[int]
+    decode_token_idx: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_mask: torch.Tensor
+    prefill_seq_ids: list[int]
+    prefill_slots: list[torch.Tensor]
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
+        """Build metadata from per-sequence query lengths, context lengths and block tables.
+
+        Raises:
+            ValueError: a block table too short for its sequence length.
+        """
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        max_blocks = max((len(b) for b in block_tables), default=1) or 1
+        bt = torch.zeros(len(block_tables), max_blocks, dtype=torch.int64)
+        for i, b in enumerate(block_tables):
+            if len(b) * block_size < seq_lens[i]:
+                raise ValueError(f"sequence {i}: {len(b)} blocks cannot hold {seq_lens[i]} tokens")
+            if b:
+                bt[i, : len(b)] = torch.tensor(b, dtype=torch.int64)
+        # Slot of every context position of every sequence: [S, max_blocks * block_size].
+        offs = torch.arange(block_size, dtype=torch.int64)
+        all_slots = (bt[:, :, None] * block_size + offs[None, None, :]).reshape(len(block_tables), -1)
+        slot_chunks = []
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            slot_chunks.append(all_slots[i, s - q: s])
+        slot_mapping = torch.cat(slot_chunks) if slot_chunks else torch.zeros(0, dtype=torch.int64)
+
+        dec = [i for i, q in enumerate(query_lens) if q == 1]
+        pre = [i for i, q in enumerate(query_lens) if q > 1]
+        if dec:
+            lmax = max(seq_lens[i] for i in dec)
+            idx = torch.tensor(dec, dtype=torch.int64)
+            decode_slots = all_slots[idx, :lmax].clone()
+            lens = torch.tensor([seq_lens[i] for i in dec], dtype=torch.int64)
+            decode_mask = torch.arange(lmax)[None, :] < lens[:, None]
+            decode_slots[~decode_mask] = 0
+            decode_token_idx = torch.tensor([qsl[i] for i in dec], dtype=torch.int64)
+        else:
+            decode_slots = torch.zeros(0, 1, dtype=torch.int64)
+            decode_mask = torch.zeros(0, 1, dtype=torch.bool)
+            decode_token_idx = torch.zeros(0, dtype=torch.int64)
+        prefill_slots = [all_slots[i, : seq_lens[i]].clone() for i in pre]
+        return cls(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=qsl,
+            seq_lens=list(seq_lens),
+            block_tables=bt.to(device),
+            block_size=block_size,
+            decode_seq_ids=dec,
+            decode_token_idx=decode_token_idx.to(device),
+            decode_slots=decode_slots.to(device),
+            decode_mask=decode_mask.to(device),
+            prefill_seq_ids=pre,
+            prefill_slots=[p.to(device) for p in prefill_slots],
+        )
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values [T, Hk, D] into ``kv_cache`` [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` [T]."""
+    hk, d = kv_cache.shape[-2], kv_cache.shape[-1]
+    kv_cache[0].view(-1, hk, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, hk, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked softmax attention in float64.
+
+    Args:
+        q: [S, Q, Hk, G, D] queries (G = query heads per KV head).
+        k, v: [S, L, Hk, D] keys and values.
+        mask: [S, Q, L] bool, True where query may attend to key.
+    Returns:
+        [S, Q, Hk, G, D] float64.
+    """
+    qd = q.double()
+    kd = k.double()
+    vd = v.double()
+    scores = torch.einsum("sqhgd,slhd->shgql", qd, kd) * scale
+    scores = scores.masked_fill(~mask[:, None, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("shgql,slhd->sqhgd", probs, vd)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend over each sequence's context.
+
+    Args:
+        q: [T, Hq, D] queries of the packed batch.
+        k, v: [T, Hk, D] new keys and values.
+        kv_cache: [2, num_blocks, block_size, Hk, D] this layer's cache.
+        md: step metadata.
+        scale: softmax scale (usually D ** -0.5).
+    Returns:
+        [T, Hq, D] attention output, dtype of ``q``.
+    """
+    T, hq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    write_kv(kv_cache, k, v, md.slot_mapping)
+    kc = kv_cache[0].view(-1, hk, d)
+    vc = kv_cache[1].view(-1, hk, d)
+    out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
+    if md.decode_seq_ids:
+        qd = q.index_select(0, md.decode_token_idx).reshape(-1, 1, hk, g, d)
+        kd = kc[md.decode_slots]  # [Sd, L, Hk, D]
+        vd = vc[md.decode_slots]
+        o = _attend(qd, kd, vd, md.decode_mask[:, None, :], scale)
+        out.index_copy_(0, md.decode_token_idx, o.reshape(-1, hq, d).to(q.dtype))
+    for j, i in enumerate(md.prefill_seq_ids):
+        start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
+        ql, sl = end - start, md.seq_lens[i]
+        slots = md.prefill_slots[j]
+        kp = kc[slots][None]
+        vp = vc[slots][None]
+        qpos = torch.arange(sl - ql, sl, device=q.device)
+        mask = (torch.arange(sl, device=q.device)[None, :] <= qpos[:, None])[None]
+        o = _attend(q[start:end].reshape(1, ql, hk, g, d), kp, vp, mask, scale)
+        out[start:end] = o.reshape(ql, hq, d).to(q.dtype)
+    return out

@@ -1,0 +1,233 @@
+"""Front-end output processing: incremental detokenization, stop strings, per-request outputs.
+
+Runs where the text lives (the offline ``LLM`` process or the API server
+process), overlapping the engine core's next step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+from tinyvllm.engine.core import EngineCoreOutput
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+_PREFILL_CONTEXT = 4  # prompt tokens fed to the stream decoder so the first token decodes in context
+
+
+class IncrementalDetokenizer:
+    """Token ids -> text, one token at a time, never splitting a UTF-8 character.
+
+    Uses ``tokenizers``' ``DecodeStream``, which buffers tokens until their bytes
+    form complete characters (byte-level BPE splits emoji and CJK across tokens).
+    Stop strings are matched on the accumulated text; :meth:`delta` holds back
+    any tail that could still grow into a stop string, so no part of a stop
+    string is ever sent to a streaming client.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._tok = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer
+        ctx = prompt_token_ids[-_PREFILL_CONTEXT:]
+        self._stream = DecodeStream(ctx, skip_special_tokens=params.skip_special_tokens) if ctx else \
+            DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self.stop = list(params.stop or [])
+        self.include_stop = params.include_stop_str_in_output
+        self.text = ""
+        self._sent = 0
+        self._checked = 0
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Append tokens' text; return the stop string matched (text truncated there), else None."""
+        for t in token_ids:
+            piece = self._stream.step(self._tok, t)
+            if piece:
+                self.text += piece
+        if not self.stop:
+            return None
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self._checked - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        self._checked = len(self.text)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + (len(s) if self.include_stop else 0)]
+        return s
+
+    def _holdback(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def delta(self, finished: bool) -> str:
+        """Text not yet sent that is safe to send now."""
+        end = len(self.text) if finished else len(self.text) - self._holdback()
+        end = max(end, self._sent)
+        out = self.text[self._sent:end]
+        self._sent = end
+        return out
+
+
+@dataclass
+class _SampleState:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[str, _SampleState]  # child (engine) request id -> state
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """Engine-side ids of the ``n`` samples of a request (the request id itself when n == 1)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+class OutputProcessor:
+    """Turns :class:`EngineCoreOutput` batches into :class:`RequestOutput` objects."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> list[str]:
+        """Register a request; returns the engine-side child ids (one per sample)."""
+        kids = child_request_ids(request_id, params.n)
+        samples = {
+            cid: _SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                              logprobs=[] if params.logprobs is not None else None,
+                              cumulative_logprob=0.0 if params.logprobs is not None else None)
+            for i, cid in enumerate(kids)
+        }
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, params, samples,
+            RequestMetrics(arrival_time=arrival_time or time.monotonic()))
+        for cid in kids:
+            self.child_to_parent[cid] = request_id
+        return kids
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its unfinished child ids to abort in the engine."""
+        st = self.requests.pop(request_id, None)
+        if st is None:
+            return []
+        for cid in st.samples:
+            self.child_to_parent.pop(cid, None)
+        return [cid for cid, s in st.samples.items() if s.finish_reason is None]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _decode_token(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one engine step's outputs.
+
+        Args:
+            outputs: the step's per-child outputs.
+            delta: return only new text/tokens/logprobs of the samples touched
+                (streaming) rather than whole samples.
+        Returns:
+            (request outputs for every touched request, child ids to abort in the
+            engine because a stop string finished them).
+        """
+        now = time.monotonic()
+        touched: dict[str, set[str]] = {}
+        to_abort: list[str] = []
+        for o in outputs:
+            parent = self.child_to_parent.get(o.request_id)
+            if parent is None:
+                continue  # aborted by the front end meanwhile
+            st = self.requests[parent]
+            s = st.samples[o.request_id]
+            if s.finish_reason is not None:
+                continue
+            if st.metrics.first_token_time is None:
+                st.metrics.first_token_time = now
+            st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            s.token_ids.extend(o.new_token_ids)
+            if o.new_logprobs is not None and s.logprobs is not None:
+                for lp in o.new_logprobs:
+                    entry = {tid: Logprob(v, i + 1, self._decode_token(tid)) for i, (tid, v) in enumerate(lp.top)}
+                    entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_token(lp.token_id))
+                    s.logprobs.append(entry)
+                    s.cumulative_logprob = (s.cumulative_logprob or 0.0) + lp.logprob
+            # A token that finished the request by id (EOS / stop_token_ids) adds no text.
+            text_ids = o.new_token_ids
+            if o.finish_reason == "stop" and not isinstance(o.stop_reason, str):
+                text_ids = text_ids[:-1]
+                if isinstance(o.stop_reason, int) and st.params.include_stop_str_in_output:
+                    text_ids = o.new_token_ids
+            stop_str = s.detok.add_tokens(text_ids)
+            if stop_str is not None:
+                s.finish_reason, s.stop_reason = "stop", stop_str
+                to_abort.append(o.request_id)
+            elif o.finish_reason is not None:
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            touched.setdefault(parent, set()).add(o.request_id)
+        results = []
+        for parent, kids in touched.items():
+            st = self.requests[parent]
+            results.append(self._make_output(st, kids, delta, now))
+            if st.finished:
+                self.requests.pop(parent, None)
+                for cid in st.samples:
+                    self.child_to_parent.pop(cid, None)
+        return results, to_abort
+
+    def _make_output(self, st: _RequestState, kids: set[str], delta: bool, now: float) -> RequestOutput:
+        outs = []
+        for cid, s in st.samples.items():
+            if delta and cid not in kids:
+                continue
+            finished = s.finish_reason is not None
+            if delta:
+                text = s.detok.delta(finished)
+                token_ids = s.token_ids[s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
+                s.sent_tokens = len(s.token_ids)
+                s.sent_logprobs = len(s.logprobs or [])
+            else:
+                text, token_ids, logprobs = s.detok.text, list(s.token_ids), s.logprobs
+            outs.append(CompletionOutput(s.index, text, token_ids, s.cumulative_logprob, logprobs,
+                                         s.finish_reason, s.stop_reason))
+        if st.finished:
+            st.metrics.finished_time = now
+        st.metrics.num_cached_tokens = st.num_cached_tokens
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
+                             st.num_cached_tokens, st.metrics)

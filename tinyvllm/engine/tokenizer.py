@@ -1,0 +1,67 @@
+"""Tokenizer and chat template (Hugging Face ``transformers``), loaded from the model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """Load the fast tokenizer (and its chat template) saved beside the weights.
+
+    Raises:
+        ValueError: the directory has no usable tokenizer files.
+    """
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # pragma: no cover - depends on the directory
+        raise ValueError(f"cannot load a tokenizer from {str(model_dir)!r}: {e}") from e
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any = None) -> list[int]:
+    """EOS ids: the tokenizer's EOS plus the model config's ``eos_token_id`` (int or list)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(model_config, "eos_token_id", None) if model_config is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(x) for x in eos)
+    return sorted(ids)
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    """Render ``messages`` with the model's chat template and tokenize.
+
+    ``content`` may be a string or a list of ``{"type": "text", "text": ...}`` parts.
+
+    Raises:
+        ValueError: malformed messages or a tokenizer without a chat template.
+    """
+    norm = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+        content = m.get("content", "")
+        if isinstance(content, list):
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "text":
+                    parts.append(str(p.get("text", "")))
+                else:
+                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        norm.append({**m, "content": content})
+    if tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
+    text = tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

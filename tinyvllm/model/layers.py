@@ -1,0 +1,111 @@
+"""Llama building blocks: RMSNorm and rotary position embeddings (default and llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32.
+
+    ``y = x / sqrt(mean(x^2) + eps) * weight``, with the same dtype handling as
+    Hugging Face's ``LlamaRMSNorm`` (normalise in float32, cast back, then scale).
+    Input/output: [..., hidden] in the model dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``theta^(-2i/d)`` of RoPE (Su et al. 2021, RoFormer, eq. 15).
+
+    With ``rope_type == "llama3"`` applies Llama 3.1's frequency-dependent scaling
+    (Meta's Llama 3.1 reference implementation ``apply_scaling``): wavelengths longer
+    than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, shorter than ``.../high_freq_factor`` are kept, and the band between
+    is interpolated smoothly. ``linear`` scaling divides all frequencies by ``factor``.
+
+    Returns:
+        [head_dim // 2] float32.
+
+    Raises:
+        ValueError: an unsupported rope type.
+    """
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low = float(rope_scaling.get("low_freq_factor", 1.0))
+        high = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_len = float(rope_scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_len / low
+        high_freq_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (GPT-NeoX / HF Llama) rotary embedding applied per token by position.
+
+    Holds a cos/sin table [max_positions, head_dim // 2] (float32) built lazily.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_theta: float,
+                 rope_scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta, rope_scaling), persistent=False)
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+        self.max_position = max_position
+
+    def _table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] < needed:
+            n = max(needed, self.max_position)
+            pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
+            freqs = pos[:, None] * self.inv_freq[None, :].float()
+            self._cos, self._sin = freqs.cos(), freqs.sin()
+        return self._cos, self._sin
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for ``positions`` [T] (int64): each [T, 1, D/2] float32 (computed once per step)."""
+        cos_t, sin_t = self._table(int(positions.max().item()) + 1 if positions.numel() else 1)
+        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, D] (rotate-half layout) by ``cos``/``sin`` [T, 1, D/2]; math in float32."""
+    return _rotate(x, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)

@@ -1,0 +1,255 @@
+"""Llama architecture (Touvron et al. 2023) over a packed batch with a paged KV cache.
+
+All sequences' new tokens are flattened into one ``[num_tokens]`` tensor with
+their ``positions``; there is no padding. Attention writes new keys/values into
+the paged cache through the slot mapping and reads each sequence's context
+through its block table (:mod:`tinyvllm.attention.backend`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyvllm.attention.backend import AttentionMetadata, paged_attention
+from tinyvllm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+
+
+@dataclass
+class LlamaConfig:
+    """The fields of a Hugging Face ``config.json`` that a Llama needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Read an HF config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x ``rope_parameters``).
+
+        Raises:
+            ValueError: not a Llama-architecture config.
+        """
+        arch = d.get("model_type", "llama")
+        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in d.get("architectures", []):
+            raise ValueError(f"unsupported model_type {arch!r}: tinyvllm runs Llama-architecture models")
+        heads = int(d["num_attention_heads"])
+        rope_params = d.get("rope_parameters") or {}
+        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
+        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token across all layers."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = paged_attention(q, k, v, kv_cache, md, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head (tied to the embedding or separate)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                md: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder over a packed batch.
+
+        Args:
+            input_ids: [T] int64 new tokens of all sequences, packed.
+            positions: [T] int64 position of each token in its sequence.
+            kv_caches: per layer, [2, num_blocks, block_size, Hk, D] in the model dtype.
+            md: attention metadata for this step.
+        Returns:
+            [T, hidden] final hidden states (after the last RMSNorm).
+        """
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(rope, x, kv, md)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this module.
+
+        Q/K/V are packed into ``qkv_proj`` and gate/up into ``gate_up_proj``.
+
+        Raises:
+            ValueError: an unexpected tensor name or shape, or missing tensors.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        shard = {
+            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+        }
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            n = name[len("model."):] if name.startswith("model.") else name
+            if n == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = n.split(".")
+            target, offset, size = n, None, None
+            if len(parts) >= 2 and parts[-2] in shard:
+                fused, offset, size = shard[parts[-2]]
+                target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} (no parameter {target!r})")
+            p = params[target]
+            with torch.no_grad():
+                dst = p.data if offset is None else p.data.narrow(0, offset, size)
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+            loaded.add(f"{target}@{offset}")
+        expected = 0
+        for pname in params:
+            if "qkv_proj" in pname:
+                expected += 3
+            elif "gate_up_proj" in pname:
+                expected += 2
+            else:
+                expected += 1
+        if len(loaded) != expected:
+            raise ValueError(f"model weights incomplete: loaded {len(loaded)} of {expected} tensors")
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build a :class:`LlamaForCausalLM` from an HF-style directory of safetensors.
+
+    Raises:
+        ValueError: unsupported config or mismatched weights.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    cfg = LlamaConfig.from_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers built on the meta device must be recomputed.
+    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    files = sorted(model_dir.glob("*.safetensors"))
+
+    def weights() -> Iterable[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    yield key, fh.get_tensor(key)
+
+    model.load_weights(weights())
+    model.eval()
+    return model

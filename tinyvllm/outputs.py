@@ -1,0 +1,71 @@
+"""Results returned to users: :class:`RequestOutput` holding one :class:`CompletionOutput` per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw distribution."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token: token id -> Logprob (the sampled token and the top-N).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    Attributes:
+        index: which of the ``n`` samples this is.
+        text: generated text (stop string excluded unless ``include_stop_str_in_output``).
+        token_ids: generated token ids.
+        cumulative_logprob: sum of the sampled tokens' logprobs (when logprobs were requested).
+        logprobs: per token, when ``SamplingParams.logprobs`` is set.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``None`` while running.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings (seconds, ``time.monotonic``) and token counts of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The output of one request (``n`` samples share the prompt)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = field(default=None, repr=False)

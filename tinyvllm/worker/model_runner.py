@@ -1,0 +1,114 @@
+"""Model runner: turns a :class:`SchedulerOutput` into packed input tensors, runs the model, samples.
+
+Inputs built per step (all sequences' new tokens flattened, no padding):
+``input_ids`` [T] int64, ``positions`` [T] int64, ``slot_mapping`` [T] int64,
+``block_tables`` [S, max_blocks] int64, ``seq_lens`` [S] and ``query_start_loc``
+[S+1]. Logits are computed only for requests whose step reaches the end of their
+known tokens (a finished prefill or a decode); mid-prompt chunks sample nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.core.scheduler import SchedulerOutput
+from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.sample.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs for one sampled token (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]                 # request id -> token id
+    logprobs: dict[str, TokenLogprobs]      # request id -> logprobs, when requested
+
+
+class ModelRunner:
+    """Owns the model weights and the paged KV cache tensors."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu") -> None:
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # One [2, num_blocks, block_size, Hk, D] tensor per layer. torch.empty leaves pages
+        # untouched, so resident memory grows only as blocks are written.
+        self.kv_caches = [
+            torch.empty(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
+                        device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over all scheduled tokens, then sample where a token is due."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        sample_rows: list[int] = []  # index into the packed tokens of each sampled row
+        sample_reqs = []
+        for s in sched.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(s.block_ids)
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_reqs.append(req)
+        md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+        if not sample_reqs:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        banned = []
+        for req in sample_reqs:
+            sp = req.sampling_params
+            if req.num_output_tokens < sp.min_tokens:
+                banned.append(sorted(set(req.eos_token_ids) | set(sp.stop_token_ids or [])))
+            else:
+                banned.append([])
+        smd = SamplingMetadata.build(
+            [r.sampling_params for r in sample_reqs],
+            [r.prompt_token_ids for r in sample_reqs],
+            [r.output_token_ids for r in sample_reqs],
+            [r.generator for r in sample_reqs],
+            banned,
+            device=self.device,
+        )
+        out = self.sampler(logits, smd)
+        token_ids = out.sampled_token_ids.tolist()
+        sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
+        lps: dict[str, TokenLogprobs] = {}
+        if out.logprobs is not None:
+            lp = out.logprobs
+            slp, rank = lp.sampled_logprob.tolist(), lp.sampled_rank.tolist()
+            tids, tlps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+            for i, r in enumerate(sample_reqs):
+                n = r.sampling_params.logprobs
+                if n is None:
+                    continue
+                lps[r.request_id] = TokenLogprobs(token_ids[i], slp[i], rank[i],
+                                                  list(zip(tids[i][:n], tlps[i][:n])))
+        return ModelRunnerOutput(sampled, lps)
