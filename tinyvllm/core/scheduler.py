@@ -96,6 +96,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status.is_finished:
                 continue
+            if self.config.scheduling_policy == "static" and req not in self.running:
+                # The first ``_static_to_admit`` waiting requests are the current batch's
+                # members still to admit; one of them leaving shrinks what is left to admit.
+                if list(self.waiting).index(req) < self._static_to_admit:
+                    self._static_to_admit -= 1
             req.status = RequestStatus.FINISHED_ABORTED
             self._finish(req)
             aborted.append(req)
@@ -169,8 +174,10 @@ class Scheduler:
 
         # 2) Waiting requests.
         static = cfg.scheduling_policy == "static"
-        if static and not self.running:
+        if static and not self.running and self._static_to_admit <= 0:
             # The previous batch has fully finished (or never started): form the next one.
+            # (Not while members of the current batch are still waiting to be admitted: one
+            # that finished before the last was admitted must not open the batch to others.)
             self._static_to_admit = min(cfg.max_num_seqs, len(self.waiting))
         admit = not out.preempted
         while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:

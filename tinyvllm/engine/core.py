@@ -62,14 +62,21 @@ class EngineStepStats:
 class EngineCore:
     """Scheduler + model runner, driven one step at a time."""
 
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None,
+                 model: "torch.nn.Module | None" = None) -> None:
+        """Load the model (or reuse ``model``, already loaded in the right dtype) and size the KV cache.
+
+        Raises:
+            ModelNotFoundError: the model cannot be found.
+            ValueError: ``max_model_len`` beyond the model's positions.
+        """
         self.config = config
         mc, cc = config.model_config, config.cache_config
         self.resolved = resolved or resolve_model(mc.model)
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
-        self.model = load_model(self.resolved.model_dir, self.dtype, mc.device)
+        self.model = model if model is not None else load_model(self.resolved.model_dir, self.dtype, mc.device)
         mcfg = self.model.config
         if mc.max_model_len is not None and mc.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings "

@@ -28,9 +28,9 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class LLMEngine:
     """Synchronous engine: add requests, call :meth:`step` until no request is left."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: Any = None) -> None:
         self.config = config
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, model=model)
         self.tokenizer = load_tokenizer(self.core.resolved.model_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.model.config)
         self.output_processor = OutputProcessor(self.tokenizer)

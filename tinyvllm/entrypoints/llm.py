@@ -28,7 +28,8 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs))
+        preloaded = kwargs.pop("_preloaded_model", None)  # tests: share weights between engines
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs), model=preloaded)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

@@ -87,6 +87,33 @@ class LlamaConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
+def min_rows_for(dtype: torch.dtype) -> int:
+    """Smallest row count M for which CPU GEMM rows do not depend on M (measured, torch 2.13 + oneDNN/MKL):
+    bf16 gives a different result at M == 1 than at M >= 2 for some shapes (e.g. K = 1536); fp32 (MKL)
+    differs for M < 12. Padding small batches to this many rows keeps greedy outputs batch invariant."""
+    return 16 if dtype == torch.float32 else 2
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose row results do not depend on how many rows are in the batch.
+
+    ``x``: [M, in]; ``weight``: [out, in]. Pads M up to :func:`min_rows_for` with zero rows.
+    """
+    m = x.shape[0]
+    need = min_rows_for(x.dtype)
+    if m >= need:
+        return F.linear(x, weight, bias)
+    pad = torch.zeros(need - m, x.shape[1], dtype=x.dtype, device=x.device)
+    return F.linear(torch.cat([x, pad]), weight, bias)[:m]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` computed with :func:`batch_invariant_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return batch_invariant_linear(x, self.weight, self.bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -95,8 +122,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
@@ -118,8 +145,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -153,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 md: AttentionMetadata) -> torch.Tensor:
@@ -176,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return batch_invariant_linear(hidden, w).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this module.

@@ -1,0 +1,52 @@
+"""Incremental detokenization: UTF-8 safety and stop-string hold-back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinyvllm import SamplingParams
+from tinyvllm.engine.output_processor import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tinyvllm.engine.tokenizer import load_tokenizer
+    from tinyvllm.model.loader import resolve_model
+
+    return load_tokenizer(resolve_model("SmolLM2-135M-Instruct").model_dir)
+
+
+TEXTS = ["Hello 😀 world 🎉🎉", "日本語のテキストです。", "naïve café — «quotes» ∑∫√", "mixed 中文 and emoji 👩‍👩‍👧"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_pieces_are_whole_characters(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("Say:", add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    pieces = []
+    for t in ids:
+        d.add_tokens([t])
+        piece = d.delta(finished=False)
+        assert "\ufffd" not in piece
+        pieces.append(piece)
+    pieces.append(d.delta(finished=True))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    # Some character really was split across tokens (else the test proves nothing).
+    if any(ord(c) > 0x2000 for c in text):
+        assert len(ids) > len(text.split())
+
+
+def test_stop_string_never_partially_sent(tokenizer):
+    text = "The answer is 42. END OF STORY and more text"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["END OF"]))
+    sent = ""
+    for t in ids:
+        hit = d.add_tokens([t])
+        sent += d.delta(finished=hit is not None)
+        assert "END" not in sent and not sent.endswith("E")
+        if hit:
+            break
+    assert hit == "END OF"
+    assert sent == "The answer is 42. "

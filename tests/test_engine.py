@@ -1,0 +1,140 @@
+"""Engine core on the real model: greedy outputs are identical whatever the batching, chunking,
+block size, prefix-cache state or preemption history; no KV block is owned afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tinyvllm import SamplingParams
+
+from conftest import CHAT_PROMPTS
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _prompts(llm, n=16):
+    tok = llm.get_tokenizer()
+    rng = random.Random(0)
+    ids = [llm.llm_engine.chat_prompt_ids([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    while len(ids) < n:  # plus random-token prompts of assorted lengths (some > 64 tokens)
+        ids.append([rng.randrange(100, tok.vocab_size) for _ in range(rng.randrange(5, 150))])
+    return [{"prompt_token_ids": p} for p in ids[:n]]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm):
+    return _prompts(smol_llm)
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(smol_llm, prompts):
+    return [_tokens(smol_llm.generate(p, GREEDY))[0] for p in prompts]
+
+
+def _check_no_leak(llm):
+    s = llm.stats()
+    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+    llm.llm_engine.core.scheduler.kv.check_invariants()
+
+
+def test_batched_equals_one_at_a_time(smol_llm, prompts, one_at_a_time):
+    assert _tokens(smol_llm.generate(prompts, GREEDY)) == one_at_a_time
+    _check_no_leak(smol_llm)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_num_batched_tokens=64),                      # heavy chunked prefill
+    dict(enable_prefix_caching=False),
+    dict(block_size=32),
+    dict(max_num_seqs=3),
+    dict(scheduling_policy="static", max_num_seqs=5),
+], ids=["budget64", "no-prefix-cache", "block32", "max-seqs3", "static"])
+def test_engine_options_do_not_change_outputs(make_smol_llm, prompts, one_at_a_time, opts):
+    llm = make_smol_llm(**opts)
+    assert _tokens(llm.generate(prompts, GREEDY)) == one_at_a_time
+    _check_no_leak(llm)
+
+
+def test_preemption_resumes_with_identical_output(make_smol_llm, prompts, one_at_a_time):
+    # 24 blocks x 16 tokens = 384 token slots: far less than 16 sequences need at once.
+    llm = make_smol_llm(num_kv_blocks=24, enable_prefix_caching=False)
+    assert _tokens(llm.generate(prompts, GREEDY)) == one_at_a_time
+    assert llm.stats()["num_preemptions"] > 0
+    _check_no_leak(llm)
+
+
+def test_prefix_cache_shared_system_prompt(make_smol_llm):
+    llm_on = make_smol_llm(enable_prefix_caching=True)
+    llm_off = make_smol_llm(enable_prefix_caching=False)
+    tok = llm_on.get_tokenizer()
+    rng = random.Random(1)
+    system = [rng.randrange(100, tok.vocab_size) for _ in range(1024)]
+    prompts = [{"prompt_token_ids": system + [rng.randrange(100, tok.vocab_size) for _ in range(12 + i)]}
+               for i in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    off = _tokens(llm_off.generate(prompts, sp))
+    first = _tokens(llm_on.generate(prompts[:1], sp))
+    outs = llm_on.generate(prompts[1:], sp)
+    assert first + _tokens(outs) == off
+    assert all(o.num_cached_tokens == 1024 for o in outs)  # 64 full blocks of the system prompt
+    assert llm_on.stats()["prefix_cache_hits"] >= 5 * 1024
+    _check_no_leak(llm_on)
+    _check_no_leak(llm_off)
+
+
+def test_prefix_cache_same_prompt_block_multiple(make_smol_llm):
+    llm = make_smol_llm()
+    tok = llm.get_tokenizer()
+    rng = random.Random(2)
+    prompt = {"prompt_token_ids": [rng.randrange(100, tok.vocab_size) for _ in range(64)]}  # 4 full blocks
+    a = llm.generate(prompt, GREEDY)[0]
+    b = llm.generate(prompt, GREEDY)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 48  # the last block is recomputed: the last prompt token needs logits
+    # Blocks filled by generated tokens are reused too: resend prompt + output.
+    c = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"] + a.outputs[0].token_ids}, GREEDY)[0]
+    assert c.num_cached_tokens == 80  # 64 + 24 = 88 tokens known; 5 full blocks cached (88 // 16)
+    _check_no_leak(llm)
+
+
+def test_agent_turns_prefill_tokens(make_smol_llm):
+    """The seeds' expanding triangle: 10 turns, each appending a 64-token tail to the whole history."""
+    tail, turns = 64, 10
+    computed = {}
+    for caching in (True, False):
+        llm = make_smol_llm(enable_prefix_caching=caching)
+        tok = llm.get_tokenizer()
+        rng = random.Random(3)
+        history: list[int] = []
+        before = llm.stats()["prefill_tokens"]
+        for _ in range(turns):
+            history = history + [rng.randrange(100, tok.vocab_size) for _ in range(tail)]
+            out = llm.generate({"prompt_token_ids": history}, SamplingParams(temperature=0, max_tokens=4,
+                                                                               ignore_eos=True))[0]
+            history = history + out.outputs[0].token_ids
+        computed[caching] = llm.stats()["prefill_tokens"] - before
+        _check_no_leak(llm)
+    # With caching: ~ one tail per turn (+ the partial last block and the previous answer's tokens).
+    assert computed[True] <= turns * (tail + 16 + 4)
+    # Without: the whole history every turn, 64 * (1 + 2 + ... + 10) = 55 tails (+ answers).
+    assert computed[False] >= 55 * tail
+    assert computed[False] / computed[True] > 5
+
+
+def test_abort_frees_blocks(smol_llm):
+    eng = smol_llm.llm_engine
+    rid = eng.add_request("Tell me a long story.", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert smol_llm.stats()["kv_blocks_used"] > 0
+    eng.abort_request(rid)
+    assert smol_llm.stats()["kv_blocks_used"] == 0
+    assert not eng.has_unfinished_requests()

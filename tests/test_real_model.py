@@ -1,0 +1,144 @@
+"""The real SmolLM2-135M-Instruct end to end, against Hugging Face transformers on the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinyvllm import SamplingParams
+
+from conftest import CHAT_PROMPTS
+
+NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    """transformers' LlamaForCausalLM loading the same GGUF (its own dequantizer), float32."""
+    from transformers import AutoModelForCausalLM
+
+    from tinyvllm.model.loader import _find_alias_gguf
+
+    gguf = _find_alias_gguf("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+def _hf_greedy(model, prompt_ids: list[int], n: int, topk: int = 5):
+    """Greedy decode with HF's KV cache; returns (tokens, per-step top-k {id: logprob})."""
+    tokens, tops = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(n):
+            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+            tok = int(lp.argmax())
+            v, i = lp.topk(topk)
+            tokens.append(tok)
+            tops.append(dict(zip(i.tolist(), v.tolist())))
+            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, tops
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smol_llm):
+    return [smol_llm.llm_engine.chat_prompt_ids([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(hf_reference, chat_ids):
+    return [_hf_greedy(hf_reference, ids, NUM_TOKENS) for ids in chat_ids]
+
+
+def test_fp32_greedy_equals_transformers(chat_ids, hf_outputs, smol_llm):
+    from tinyvllm import LLM
+
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_ids],
+                        SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
+    for (ref_tokens, _), out in zip(hf_outputs, outs):
+        assert out.outputs[0].token_ids == ref_tokens
+    del llm
+
+
+def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):
+    """vLLM's ``check_logprobs_close``: until the first divergence tokens match; at a divergence each
+    side's token must be in the other's top-k."""
+    outs = smol_llm.generate([{"prompt_token_ids": ids} for ids in chat_ids],
+                             SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
+    matched = 0
+    for (ref_tokens, ref_tops), out in zip(hf_outputs, outs):
+        ours = out.outputs[0]
+        for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens)):
+            if a != b:
+                assert a in ref_tops[i], f"step {i}: our token {a} not in HF top-5 {ref_tops[i]}"
+                assert b in ours.logprobs[i], f"step {i}: HF token {b} not in our top-5"
+                break
+            matched += 1
+            # Same token: its logprob agrees to bf16 precision.
+            assert abs(ours.logprobs[i][a].logprob - ref_tops[i][b]) < 0.25
+    assert matched >= len(chat_ids) * NUM_TOKENS // 2
+
+
+def test_chat_and_generate_text(smol_llm):
+    out = smol_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    # String prompts and token-id prompts give the same result.
+    text = "The capital of France is"
+    ids = smol_llm.get_tokenizer()(text)["input_ids"]
+    a, b = smol_llm.generate([text, {"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8))
+    assert a.prompt_token_ids == b.prompt_token_ids == ids
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_seeded_sampling_reproducible_and_n(smol_llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, n=3)
+    a = smol_llm.generate("Once upon a time", sp)[0]
+    b = smol_llm.generate(["Tell me a joke.", "Once upon a time"], sp)[1]
+    assert len(a.outputs) == 3 and [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # samples differ from each other
+
+
+def test_stop_strings_and_max_tokens(smol_llm):
+    base = smol_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 20
+    # Stop on a string that occurs in the greedy continuation: output ends right before it.
+    stop = base.text[6:9]
+    assert stop.strip()
+    out = smol_llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+
+
+def test_bad_inputs_raise_clear_errors(smol_llm):
+    from tinyvllm import LLM
+    from tinyvllm.model.loader import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        LLM("no-such-model-xyz")
+    with pytest.raises(ValueError, match="prompt"):
+        smol_llm.generate("", SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        smol_llm.generate({"prompt_token_ids": [1] * 9000}, SamplingParams(max_tokens=4))
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM("SmolLM2-135M-Instruct", no_such_option=1)
+    # The engine is still healthy and holds no blocks.
+    assert smol_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+    assert smol_llm.stats()["kv_blocks_used"] == 0
+
+
+def test_malformed_model_paths(tmp_path):
+    from tinyvllm.model.loader import ModelNotFoundError, resolve_model
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ModelNotFoundError, match="cannot read GGUF"):
+        resolve_model(str(bad))
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        resolve_model(str(empty))

@@ -1,0 +1,697 @@
+"""Triton attention kernels over a paged KV cache, and their Python launchers.
+
+The kernels run natively on CUDA, and on CPU tensors under the Triton
+interpreter (``TRITON_INTERPRET=1``, set before ``triton`` is imported), which
+is how the test suite proves them correct on machines without a GPU.
+
+Conventions (shared with the rest of the engine):
+
+* ``q`` ``[num_tokens, num_heads, head_dim]``; ``k``/``v``
+  ``[num_tokens, num_kv_heads, head_dim]``; query head ``h`` reads KV head
+  ``h // (num_heads // num_kv_heads)`` (GQA).
+* ``key_cache``/``value_cache`` ``[num_blocks, block_size, num_kv_heads,
+  head_dim]`` (views of one ``[2, ...]`` tensor; any strides are accepted as
+  long as ``head_dim`` is contiguous).
+* ``slot_mapping`` ``[num_tokens]`` int64, ``slot = block * block_size +
+  offset``; ``-1`` means "do not store" (padding).
+* ``block_tables`` ``[num_seqs, max_blocks_per_seq]`` int32, ``seq_lens``
+  ``[num_seqs]`` int32 (context length *including* this step's tokens),
+  ``query_start_loc`` ``[num_seqs + 1]`` int32.
+
+Three kernels:
+
+1. :func:`reshape_and_cache` - scatter new K/V rows into their cache slots.
+2. :func:`paged_decode_attention` - one query token per sequence; the context
+   is split across programs and the partial results merged by a second
+   kernel (flash-decoding, Dao et al. 2023).  All query heads of one KV head
+   are processed together so each K/V tile is read once per group.
+3. :func:`paged_prefill_attention` - a packed batch of query chunks; each
+   chunk attends to its sequence's cached prefix and causally to itself, all
+   read through the block table (FlashAttention-2 style online softmax).
+
+All softmax math is float32 (scores in the log2 domain, ``exp2``); outputs
+take ``q``'s dtype.  No launcher reads device values on the host, so the
+launchers do not synchronise and are CUDA-graph friendly for fixed shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "reshape_and_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "default_num_splits",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    # ``triton.jit`` decides at decoration time whether a kernel is compiled or
+    # interpreted; ask the kernel object itself.
+    return type(_reshape_and_cache_kernel).__name__ == "InterpretedFunction"
+
+
+def _upcast_for_dot(dtype: torch.dtype) -> bool:
+    # The interpreter stores bfloat16 as raw uint16 and its ``tl.dot`` would
+    # multiply the bit patterns; upcast bf16 operands to fp32 there.  On a GPU
+    # bf16/fp16 operands go to the tensor cores with an fp32 accumulator.
+    return dtype == torch.bfloat16 and _interpreting()
+
+
+def _device_ctx(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_q(q: torch.Tensor, key_cache: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype != key_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != KV cache dtype {key_cache.dtype}")
+    if q.device != key_cache.device:
+        raise ValueError(f"q is on {q.device} but the KV cache is on {key_cache.device}")
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache/value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+
+
+# ---------------------------------------------------------------------------
+# 1. reshape_and_cache
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // block_size
+    off = slot % block_size
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+
+    src_k = k_ptr + tok.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = v_ptr + tok.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst_k = kc_ptr + blk * stride_kcb + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    dst_v = vc_ptr + blk * stride_vcb + off * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(dst_k, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_v, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k``/``v`` rows ``[num_tokens, num_kv_heads, head_dim]`` into the
+    paged cache at ``slot_mapping`` (slot ``-1`` rows are skipped).  In place."""
+    _check_cache(key_cache, value_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if key_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"cache is {tuple(key_cache.shape)} but k is {tuple(k.shape)}")
+    if slot_mapping.shape[0] < num_tokens:
+        raise ValueError("slot_mapping is shorter than k")
+    if num_tokens == 0:
+        return
+    k = _last_dim_contiguous(k)
+    v = _last_dim_contiguous(v)
+    block_size = key_cache.shape[1]
+    with _device_ctx(k):
+        _reshape_and_cache_kernel[(num_tokens,)](
+            k,
+            v,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_size,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+        )
+
+
+# ---------------------------------------------------------------------------
+# 2. paged decode attention (flash-decoding)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_pos,
+    stride_poh,
+    stride_pop,
+    stride_pls,
+    stride_plh,
+    block_size,
+    tokens_per_split,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+        tok = (offs_n % block_size).to(tl.int64)
+        kv_mask = n_mask[None, :] & d_mask[:, None]
+        # K^T tile [BLOCK_D, BLOCK_N]
+        k = tl.load(
+            kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        # V tile [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        tl.store(
+            out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(
+            po_ptr + seq.to(tl.int64) * stride_pos + heads[:, None] * stride_poh + split * stride_pop + offs_d[None, :],
+            o,
+            mask=out_mask,
+        )
+        tl.store(plse_ptr + seq.to(tl.int64) * stride_pls + heads * stride_plh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_pos,
+    stride_poh,
+    stride_pop,
+    stride_pls,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(plse_ptr + seq.to(tl.int64) * stride_pls + head * stride_plh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    valid = lse > float("-inf")
+    w = tl.where(valid, tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)), 0.0)
+    denom = tl.sum(w, axis=0)
+    po = tl.load(
+        po_ptr + seq.to(tl.int64) * stride_pos + head * stride_poh + offs_s[:, None] * stride_pop + offs_d[None, :],
+        mask=valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    o = tl.sum(po * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Heuristic split count: enough programs to fill the GPU, but never
+    splits shorter than ~256 tokens (where the merge costs more than it gains).
+    Uses only host-side shapes, so it never synchronises."""
+    if device.type == "cuda":
+        target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        target = 4
+    want = triton.cdiv(target, max(1, num_seqs * num_kv_heads))
+    cap = max(1, triton.cdiv(max_context, 256))
+    return int(max(1, min(want, cap, 64)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    ``q`` ``[num_seqs, num_heads, head_dim]`` -> ``[num_seqs, num_heads, head_dim]``
+    in ``q.dtype``.  The new token's K/V must already be in the cache
+    (``seq_lens`` counts it).  A sequence with ``seq_len == 0`` gets zeros.
+    ``num_splits`` (``None`` = heuristic) splits each context into that many
+    contiguous ranges processed by separate programs and merged by a second
+    kernel; ``1`` skips the merge.  ``block_n`` is the KV tile (tests use small
+    tiles to exercise the loop).
+    """
+    _check_cache(key_cache, value_cache)
+    _check_q(q, key_cache)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs:
+        raise ValueError("block_tables/seq_lens have fewer rows than q")
+    group = num_heads // num_kv_heads
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}")
+    if num_seqs == 0:
+        return out
+
+    max_context = block_tables.shape[1] * block_size
+    if block_n is None:
+        block_n = 64 if q.device.type == "cuda" else 32
+    block_n = max(16, triton.next_power_of_2(block_n))
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, q.device)
+    num_splits = max(1, int(num_splits))
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_context, tokens_per_split))
+    direct = num_splits == 1
+
+    if direct:
+        po = out  # unused placeholders
+        plse = out
+        po_strides = (0, 0, 0)
+        plse_strides = (0, 0)
+    else:
+        po = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        plse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        po_strides = po.stride()[:3]
+        plse_strides = plse.stride()[:2]
+
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = max(16, triton.next_power_of_2(group))
+    with _device_ctx(q):
+        _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            out,
+            po,
+            plse,
+            float(scale) * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            *po_strides,
+            *plse_strides,
+            block_size,
+            tokens_per_split,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            BLOCK_N=block_n,
+            DIRECT=direct,
+            UPCAST=_upcast_for_dot(q.dtype),
+            num_warps=4,
+            num_stages=2,
+        )
+        if not direct:
+            _decode_reduce_kernel[(num_seqs, num_heads)](
+                out,
+                po,
+                plse,
+                num_splits,
+                out.stride(0),
+                out.stride(1),
+                *po_strides,
+                *plse_strides,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_S=triton.next_power_of_2(num_splits),
+                num_warps=1 if head_dim <= 64 else 2,
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# 3. paged prefill attention (chunked prefill, FlashAttention-2 style)
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    num_seqs,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    block_size,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    # Query blocks are laid out per sequence: sequence i owns program ids
+    # [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), a range at least
+    # cdiv(q_len_i, BLOCK_M) long, so the grid needs num_tokens // BLOCK_M +
+    # num_seqs programs and no host-side knowledge of the chunk lengths.
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+
+    # Binary search: the last sequence whose first program id is <= pid.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(qsl_ptr + mid) // BLOCK_M + mid
+        if first <= pid:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    qb = pid - (q_start // BLOCK_M + seq)
+    if qb * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+    kvh = head // GROUP
+
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = prefix + offs_m
+    rows = (q_start + offs_m).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Keys up to the last query position of this block (causal), clipped to
+    # the context.  Every row sees key 0, so the running max is finite after
+    # the first tile.
+    kv_end = tl.minimum(seq_len, prefix + (qb + 1) * BLOCK_M)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+        tok = (offs_n % block_size).to(tl.int64)
+        k = tl.load(
+            kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
+            mask=n_mask[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(
+            vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for a packed batch of query chunks over the paged cache.
+
+    ``q`` ``[num_tokens, num_heads, head_dim]``; sequence ``i``'s queries are
+    rows ``query_start_loc[i]:query_start_loc[i+1]`` at positions
+    ``seq_lens[i] - q_len_i ... seq_lens[i] - 1``.  Keys/values (cached prefix
+    and this chunk) are all read from the cache, so call
+    :func:`reshape_and_cache` first.  Works for decode rows too (``q_len = 1``).
+    Rows of ``q`` not covered by ``query_start_loc`` are left unwritten.
+    """
+    _check_cache(key_cache, value_cache)
+    _check_q(q, key_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    num_seqs = query_start_loc.shape[0] - 1
+    if block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs:
+        raise ValueError("block_tables/seq_lens have fewer rows than query_start_loc describes")
+    q = _last_dim_contiguous(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous last dim, got {tuple(out.shape)}")
+    if num_tokens == 0 or num_seqs <= 0:
+        return out
+
+    on_gpu = q.device.type == "cuda"
+    if block_m is None:
+        block_m = 64 if on_gpu else 32
+    if block_n is None:
+        block_n = (64 if head_dim <= 128 else 32) if on_gpu else 32
+    block_m = max(16, triton.next_power_of_2(block_m))
+    block_n = max(16, triton.next_power_of_2(block_n))
+    grid = (num_tokens // block_m + num_seqs, num_heads)
+    with _device_ctx(q):
+        _prefill_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            out,
+            num_seqs,
+            float(scale) * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            block_size,
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            UPCAST=_upcast_for_dot(q.dtype),
+            num_warps=4,
+            num_stages=2,
+        )
+    return out

@@ -1,0 +1,245 @@
+"""Physical KV-cache blocks, their LRU free list and the prefix-cache hash map.
+
+The KV cache is carved into ``num_blocks`` fixed-size blocks of ``block_size``
+token slots each (PagedAttention, Kwon et al., SOSP 2023).  This module only
+manages block *ids*; the tensors live in the model runner with layout
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` per layer, and token
+``offset`` of block ``b`` is slot ``b * block_size + offset``.
+
+A block is in exactly one of two states:
+
+* **owned** -- ``ref_cnt >= 1`` (one per request holding it; a prefix-cache hit
+  shares a block between requests);
+* **free** -- ``ref_cnt == 0`` and linked into :class:`FreeKVCacheBlockQueue`.
+
+A *full* block may additionally carry a ``block_hash`` (the chained hash of its
+tokens, see :func:`tinyvllm.core.kv_cache_manager.hash_block_tokens`) and be
+registered in the pool's hash -> block map.  A free block keeps its hash, so
+its content can still be reused by a later request until the block is handed
+out again and thereby evicted -- the automatic prefix caching scheme of vLLM v1.
+The free queue is in eviction (LRU) order: blocks are reused from its head and
+freed blocks go to its tail.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+
+class KVCacheBlock:
+    """Metadata of one physical KV-cache block.
+
+    Attributes:
+        block_id: index of the block in the KV tensors, ``0 <= block_id < num_blocks``.
+        ref_cnt: number of requests currently holding the block (0 = free).
+        block_hash: chained hash of the block's ``block_size`` tokens while the
+            block is registered in the prefix cache, else ``None``.
+        prev_free_block / next_free_block: links of the free queue; both are
+            ``None`` exactly when the block is not in the queue.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev_free_block: KVCacheBlock | None = None
+        self.next_free_block: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:  # never follow the links: they form a cycle
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+class FreeKVCacheBlockQueue:
+    """Doubly linked list of free blocks in LRU eviction order.
+
+    ``popleft`` takes the least recently freed block, ``append`` adds a block at
+    the tail, ``remove`` unlinks a block anywhere (used when a prefix-cache hit
+    revives a free block).  All three are O(1); two sentinel nodes remove the
+    edge cases.  The blocks' own ``prev_free_block``/``next_free_block`` fields
+    are the links, so no per-node allocation happens.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)  # sentinel before the first free block
+        self._tail = KVCacheBlock(-1)  # sentinel after the last free block
+        self._head.next_free_block = self._tail
+        self._tail.prev_free_block = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free_block
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free_block
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head (next block to evict).  Raises ValueError if empty."""
+        if self.num_free_blocks == 0:
+            raise ValueError("no free blocks")
+        block = self._head.next_free_block
+        assert block is not None
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Link ``block`` at the tail (evicted last).  Raises ValueError if already queued."""
+        if block.prev_free_block is not None or block.next_free_block is not None:
+            raise ValueError(f"{block!r} is already in the free queue")
+        last = self._tail.prev_free_block
+        assert last is not None
+        last.next_free_block = block
+        block.prev_free_block = last
+        block.next_free_block = self._tail
+        self._tail.prev_free_block = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from anywhere in the queue.  Raises ValueError if not queued."""
+        prev, nxt = block.prev_free_block, block.next_free_block
+        if prev is None or nxt is None:
+            raise ValueError(f"{block!r} is not in the free queue")
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block.prev_free_block = block.next_free_block = None
+        self.num_free_blocks -= 1
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The free blocks from head (evicted first) to tail.  O(n); for tests and debugging."""
+        return list(self)
+
+
+class BlockPool:
+    """All ``num_blocks`` blocks, the free queue and the prefix-cache map.
+
+    Args:
+        num_blocks: number of physical blocks (>= 1).  Block 0 is an ordinary block.
+        enable_caching: when False, ``cache_full_block`` is a no-op and no hash
+            is ever kept.
+
+    Raises:
+        ValueError: ``num_blocks < 1``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        # block hash -> the one block registered under it (owned or free).
+        self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+
+    # -- allocation ----------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, ref_cnt 1 each.
+
+        A taken block that still held cached content is evicted: its hash leaves
+        the map and is cleared.  Raises ValueError if fewer blocks are free
+        (nothing is taken then).
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot allocate {num_blocks} blocks: only "
+                f"{self.free_block_queue.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_block_hash_to_block.get(block.block_hash) is block:
+                del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the given order.
+
+        Blocks reaching ref_cnt 0 are appended to the free-queue tail and keep
+        their hash (still hittable).  Callers pass a request's blocks in
+        *reverse* order so that the tail of a sequence is evicted before its
+        head, which is the part other requests are most likely to share.
+        Raises ValueError on a block that is already free.
+        """
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block!r} is already free")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix-cache hit).
+
+        A free block is revived: it leaves the free queue without being evicted.
+        """
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    # -- prefix cache --------------------------------------------------------
+
+    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
+        """The block registered under ``block_hash`` (owned or free), or None."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: int) -> bool:
+        """Register a full, owned block under ``block_hash``; return whether it is now cached.
+
+        If another block is already registered under the hash (the same content
+        was computed twice concurrently) the existing mapping wins and
+        ``block`` stays uncached.  Re-registering a block under its own hash is
+        a no-op.  Raises ValueError if the block is free or is already cached
+        under a different hash.
+        """
+        if not self.enable_caching:
+            return False
+        if block.ref_cnt == 0:
+            raise ValueError(f"cannot cache free block {block!r}")
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise ValueError(f"{block!r} is already cached under another hash")
+            return True
+        if block_hash in self.cached_block_hash_to_block:
+            return False
+        block.block_hash = block_hash
+        self.cached_block_hash_to_block[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash.  Only allowed when no block is owned.
+
+        Returns False (and changes nothing) if some block is in use, else True.
+        """
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    # -- accounting ----------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0 (including free blocks that still hold cached content)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of blocks owned by some request, in [0, 1]."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks

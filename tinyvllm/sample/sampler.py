@@ -1,0 +1,412 @@
+"""Batched sampler: one step's logits ``[B, V]`` -> one token id per row.
+
+Order of operations (the same as vLLM v1's ``Sampler``):
+
+1. **Raw logprobs** (only if some row asked for logprobs): ``log_softmax`` of the
+   unmodified logits, upcast to float32.  Returned logprobs therefore describe
+   the model's own distribution, before any penalty, temperature or truncation
+   (vLLM v1's default, ``logprobs_mode="raw_logprobs"``).
+2. **Banned token ids** -> ``-inf`` (the engine bans EOS / stop ids until a
+   request reaches ``min_tokens``).
+3. **Penalties**
+   * repetition penalty, as in CTRL (Keskar et al. 2019, "CTRL: A Conditional
+     Transformer Language Model for Controllable Generation", eq. in sec. 4.1)
+     and Hugging Face's ``RepetitionPenaltyLogitsProcessor``: for every token
+     that appears in the prompt *or* the output so far,
+     ``logit / p if logit > 0 else logit * p``;
+   * presence and frequency penalties, as in the OpenAI API reference
+     ("Parameter details", frequency and presence penalties), over *generated*
+     tokens only: ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``.
+4. **Greedy rows** (temperature 0) take the argmax of the penalised logits.
+5. **Random rows**: divide by temperature; top-k (keep logits >= the k-th largest);
+   top-p / nucleus (Holtzman et al. 2019, "The Curious Case of Neural Text
+   Degeneration": keep the smallest set of most-likely tokens whose cumulative
+   probability is >= top_p, always keeping the most likely token); min-p (keep
+   tokens with ``p >= min_p * p_max``); softmax; then draw.
+
+Drawing uses the exponential race (equivalently the Gumbel-max trick): with
+``q_i ~ Exp(1)`` independent, ``argmax_i(p_i / q_i)`` is distributed as ``p``.
+A row whose request has its own ``torch.Generator`` draws its ``V`` exponentials
+from that generator only, so it consumes exactly ``V`` draws per step whatever
+else is in the batch, and a seeded request gets the same tokens alone or in any
+batch.  Rows without a generator share one batched draw from torch's default
+generator.
+
+Fast paths: an all-greedy batch is a bare argmax (no softmax, no sort);
+penalties are skipped when no row has one; top-k alone uses ``torch.topk``
+(no full-vocabulary sort); the sort is done only when some row uses top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tinyvllm.sampling_params import SAMPLING_EPS, SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step, per-row sampling inputs for a batch of ``B`` rows.
+
+    Tensors live on the logits' device. ``generators[i]``, when not None, must be a
+    ``torch.Generator`` on that same device (see :func:`make_generator`).
+    """
+
+    temperature: torch.Tensor        # [B] float32; 0.0 for greedy rows
+    top_p: torch.Tensor              # [B] float32; 1.0 = disabled
+    top_k: torch.Tensor              # [B] int64; 0 = disabled
+    min_p: torch.Tensor              # [B] float32; 0.0 = disabled
+    repetition_penalty: torch.Tensor  # [B] float32; 1.0 = disabled
+    presence_penalty: torch.Tensor   # [B] float32; 0.0 = disabled
+    frequency_penalty: torch.Tensor  # [B] float32; 0.0 = disabled
+    generators: list[torch.Generator | None]  # per row: a seeded request's own generator, else None
+    prompt_token_ids: list[list[int]]         # per row
+    output_token_ids: list[list[int]]         # per row: tokens generated so far
+    banned_token_ids: list[list[int]]         # per row: ids forced to -inf this step
+    max_num_logprobs: int | None              # max over rows of SamplingParams.logprobs; None if none asked
+    all_greedy: bool
+    all_random: bool
+    no_penalties: bool
+    no_top_k_top_p_min_p: bool
+    # Finer flags over the random rows; the safe default (False) means "check the tensor".
+    no_top_k: bool = False
+    no_top_p: bool = False
+    no_min_p: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[list[int]],
+        output_token_ids: Sequence[list[int]],
+        generators: Sequence[torch.Generator | None],
+        banned_token_ids: Sequence[list[int]] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Collect the per-row parameters of ``params`` (length ``B``) into tensors."""
+        b = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == b):
+            raise ValueError(
+                "params, prompt_token_ids, output_token_ids and generators must all have "
+                f"length {b}, got {len(prompt_token_ids)}, {len(output_token_ids)}, {len(generators)}"
+            )
+        if banned_token_ids is None:
+            banned = [[] for _ in range(b)]
+        else:
+            if len(banned_token_ids) != b:
+                raise ValueError(f"banned_token_ids must have length {b}, got {len(banned_token_ids)}")
+            banned = [list(ids) for ids in banned_token_ids]
+
+        greedy = [p.is_greedy for p in params]
+        random_params = [p for p, g in zip(params, greedy) if not g]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        no_top_k = all(p.top_k == 0 for p in random_params)
+        no_top_p = all(p.top_p >= 1.0 for p in random_params)
+        no_min_p = all(p.min_p == 0.0 for p in random_params)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=f32([0.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_p=f32([p.top_p for p in params]),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            min_p=f32([p.min_p for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            generators=list(generators),
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            banned_token_ids=banned,
+            max_num_logprobs=max(wanted) if wanted else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            no_penalties=not any(p.has_penalties for p in params),
+            no_top_k_top_p_min_p=no_top_k and no_top_p and no_min_p,
+            no_top_k=no_top_k,
+            no_top_p=no_top_p,
+            no_min_p=no_min_p,
+        )
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step, under the model's raw (unmodified) distribution."""
+
+    sampled_logprob: torch.Tensor  # [B] float32: logprob of the sampled token
+    sampled_rank: torch.Tensor     # [B] int64: 1-based rank of the sampled token (1 = most likely)
+    topk_ids: torch.Tensor         # [B, max_num_logprobs] int64, most likely first
+    topk_logprobs: torch.Tensor    # [B, max_num_logprobs] float32
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None = field(default=None)  # set when md.max_num_logprobs is not None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own generator, seeded with ``seed``, on the logits' device."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+# ---------------------------------------------------------------------------
+# Building blocks (each takes and returns float32 logits [b, V]; exposed for tests)
+# ---------------------------------------------------------------------------
+
+
+def compute_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprob and rank of ``sampled`` ``[B]`` plus the top ``num_logprobs`` under ``raw_logprobs`` ``[B, V]``.
+
+    The rank is 1 + the number of tokens with a strictly greater logprob.
+    """
+    sampled_logprob = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [B, 1]
+    sampled_rank = (raw_logprobs > sampled_logprob).sum(dim=1) + 1
+    topk_logprobs, topk_ids = torch.topk(raw_logprobs, num_logprobs, dim=1)
+    return LogprobsTensors(
+        sampled_logprob=sampled_logprob.squeeze(1),
+        sampled_rank=sampled_rank.to(torch.int64),
+        topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs,
+    )
+
+
+def _ragged_to_padded(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """``rows`` (ragged ids) -> ``[len(rows), max_len]`` int64 padded with ``pad``."""
+    width = max((len(r) for r in rows), default=0)
+    padded = [list(r) + [pad] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(rows), width)
+
+
+def token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Occurrence counts ``[len(rows), V]`` int64 of each token id in each row's list."""
+    ids = _ragged_to_padded(rows, vocab_size, device)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Set ``logits[i, banned_token_ids[i]] = -inf`` in place; returns ``logits``."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, ids in enumerate(banned_token_ids):
+        rows.extend([i] * len(ids))
+        cols.extend(ids)
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float(
+            "-inf"
+        )
+    return logits
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition (CTRL / HF), then frequency and presence (OpenAI) penalties.
+
+    Args:
+        logits: ``[B, V]`` float32 (not modified; a new tensor is returned).
+        prompt_token_ids, output_token_ids: ``B`` lists of token ids.
+        repetition_penalty, presence_penalty, frequency_penalty: ``[B]`` float32.
+
+    Rows with neutral values (1, 0, 0) are left bit-for-bit unchanged.
+    """
+    vocab_size = logits.shape[1]
+    device = logits.device
+    output_counts = token_counts(output_token_ids, vocab_size, device)
+
+    if bool((repetition_penalty != 1.0).any()):
+        seen = (token_counts(prompt_token_ids, vocab_size, device) > 0) | (output_counts > 0)
+        p = repetition_penalty.unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / p, logits * p)
+        logits = torch.where(seen, penalised, logits)
+
+    if bool((presence_penalty != 0.0).any() | (frequency_penalty != 0.0).any()):
+        logits = logits - (
+            frequency_penalty.unsqueeze(1) * output_counts
+            + presence_penalty.unsqueeze(1) * (output_counts > 0)
+        )
+    return logits
+
+
+def apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep logits >= each row's k-th largest (ties at the k-th are kept); no full sort.
+
+    Args:
+        logits: ``[b, V]`` float32.
+        top_k: ``[b]`` int64, 0 = disabled for that row.
+    """
+    vocab_size = logits.shape[1]
+    k = top_k.clamp(max=vocab_size)
+    disabled = k <= 0
+    k_max = int(k.max())
+    if k_max <= 0:
+        return logits
+    top_values = torch.topk(logits, k_max, dim=1).values  # [b, k_max], descending
+    kth = top_values.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))  # [b, 1]
+    kth = kth.masked_fill(disabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k then top-p (nucleus) truncation; masked logits become ``-inf``.
+
+    Args:
+        logits: ``[b, V]`` float32 (already divided by temperature).
+        top_k: ``[b]`` int64 (0 = disabled) or None when no row uses it.
+        top_p: ``[b]`` float32 (1.0 = disabled) or None when no row uses it.
+
+    Top-p keeps the smallest prefix of the descending-probability order whose
+    cumulative probability is >= top_p; the most likely token is always kept.
+    """
+    if top_p is None:
+        return logits if top_k is None else apply_top_k_only(logits, top_k)
+
+    vocab_size = logits.shape[1]
+    # Stable sort so that ties are broken by token id, identically in every batch.
+    sorted_logits, order = torch.sort(logits, dim=1, descending=True, stable=True)
+    if top_k is not None:
+        k = top_k.clamp(max=vocab_size)
+        kth = sorted_logits.gather(1, (k.clamp(min=1) - 1).unsqueeze(1))
+        kth = kth.masked_fill((k <= 0).unsqueeze(1), float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    probs = sorted_logits.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs  # probability of all strictly more likely tokens
+    # Drop a token once the tokens before it already reach top_p (position 0 has mass 0 < top_p).
+    # Rows with top_p == 1 drop nothing (guards against float rounding in the cumsum).
+    drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p * p_max`` (``min_p`` ``[b]``; 0 = disabled)."""
+    probs = logits.softmax(dim=1)
+    threshold = probs.amax(dim=1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of ``probs`` ``[b, V]`` by the exponential race; returns ``[b]`` int64.
+
+    Row ``i`` with ``generators[i]`` set draws ``V`` exponentials from that generator
+    alone; the other rows share one batched draw from the default generator.
+    """
+    b, vocab_size = probs.shape
+    q = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if len(seeded) < b:
+        if not seeded:
+            q.exponential_()
+        else:
+            unseeded = [i for i, g in enumerate(generators) if g is None]
+            idx = torch.tensor(unseeded, device=probs.device)
+            q[idx] = torch.empty(len(unseeded), vocab_size, device=probs.device).exponential_()
+    for i in seeded:
+        q[i].exponential_(generator=generators[i])
+    # Exp(1) can round to 0; p/0 would be inf (or NaN for a masked p == 0).
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=1)
+
+
+class Sampler:
+    """Turns a step's logits into token ids; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[B, V]`` float32 (bf16/fp16 are upcast). Not modified.
+            md: the batch's :class:`SamplingMetadata`.
+
+        Returns:
+            :class:`SamplerOutput` with ``sampled_token_ids`` ``[B]`` int64 and, when
+            ``md.max_num_logprobs`` is not None, raw-distribution logprobs.
+        """
+        caller_logits = logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=1)
+
+        if any(md.banned_token_ids):
+            if logits is caller_logits:
+                logits = logits.clone()
+            logits = apply_banned_tokens(logits, md.banned_token_ids)
+        if not md.no_penalties:
+            logits = apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.repetition_penalty,
+                md.presence_penalty,
+                md.frequency_penalty,
+            )
+
+        if md.all_greedy:
+            sampled = logits.argmax(dim=1)
+        else:
+            sampled = self._sample(logits, md)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            assert md.max_num_logprobs is not None
+            logprobs = compute_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Mixed or all-random batch: greedy rows argmax, random rows are truncated and drawn."""
+        if md.all_random:
+            rows = None
+            x = logits
+            generators = md.generators
+        else:
+            random_mask = md.temperature >= SAMPLING_EPS
+            rows = random_mask.nonzero().squeeze(1)
+            if rows.numel() == 0:
+                return logits.argmax(dim=1)
+            x = logits[rows]
+            generators = [md.generators[i] for i in rows.tolist()]
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t if rows is None else t[rows]
+
+        x = x / pick(md.temperature).unsqueeze(1)
+        if not md.no_top_k_top_p_min_p:
+            top_k = None if md.no_top_k else pick(md.top_k)
+            top_p = None if md.no_top_p else pick(md.top_p)
+            if top_k is not None or top_p is not None:
+                x = apply_top_k_top_p(x, top_k, top_p)
+            if not md.no_min_p:
+                x = apply_min_p(x, pick(md.min_p))
+        random_tokens = random_sample(x.softmax(dim=1), generators)
+
+        if rows is None:
+            return random_tokens
+        sampled = logits.argmax(dim=1)
+        sampled[rows] = random_tokens
+        return sampled

@@ -1,0 +1,220 @@
+"""Per-request sampling parameters, validated on construction.
+
+The field names, defaults and meanings follow vLLM's ``SamplingParams`` (and,
+for the penalties, the OpenAI completions API), so client code written for
+either reads the same here.  Every invalid value raises ``ValueError`` whose
+message starts with the offending field's name, e.g.
+``"temperature must be >= 0, got -1"``.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+# Temperatures below this are treated as greedy decoding (argmax), as in vLLM.
+SAMPLING_EPS: float = 1e-5
+# Upper bound on the number of top logprobs a request may ask for per token.
+MAX_LOGPROBS: int = 20
+
+
+class SamplingType(enum.IntEnum):
+    """How a request's next token is chosen."""
+
+    GREEDY = 0       # argmax of the (penalised) logits
+    RANDOM = 1       # random draw from the shared default generator
+    RANDOM_SEED = 2  # random draw from the request's own seeded generator
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
+    """Return ``value`` as an ``int``; bools and non-integers are rejected."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        kind = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _check_float(name: str, value: Any) -> float:
+    """Return ``value`` as a finite ``float``; bools, strings and NaN/inf are rejected."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return result
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (mirrors vLLM's ``SamplingParams``).
+
+    Attributes:
+        n: number of output sequences to generate for the prompt (>= 1).
+        temperature: softmax temperature (>= 0); below ``SAMPLING_EPS`` means greedy.
+        top_p: nucleus sampling mass, in (0, 1]; 1 disables it.
+        top_k: keep only the k most likely tokens; 0 (or -1, normalised to 0) disables it.
+        min_p: keep tokens whose probability is >= ``min_p * p_max``, in [0, 1]; 0 disables it.
+        repetition_penalty: CTRL-style penalty (> 0) on tokens seen in the prompt or
+            output; 1 disables it.
+        presence_penalty: OpenAI presence penalty in [-2, 2] on generated tokens.
+        frequency_penalty: OpenAI frequency penalty in [-2, 2] on generated tokens.
+        max_tokens: maximum number of generated tokens (>= 1), or None to let the
+            engine generate up to the model's context length.
+        min_tokens: EOS and stop token ids are banned until this many tokens exist.
+        seed: per-request random seed, or None to use the engine's shared generator.
+        stop: strings that end generation (normalised to ``list[str]``).
+        stop_token_ids: token ids that end generation (normalised to ``list[int]``).
+        ignore_eos: keep generating past EOS.
+        logprobs: number of top logprobs to return per generated token (0..20);
+            0 returns only the sampled token's logprob; None returns none.
+        prompt_logprobs: number of top logprobs per prompt token (>= 0), or None.
+        skip_special_tokens: drop special tokens when detokenizing.
+        spaces_between_special_tokens: join special tokens with spaces when detokenizing.
+        include_stop_str_in_output: keep the matched stop string in the output text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # --- types (and normalisation to plain Python types) ---
+        self.n = _check_int("n", self.n)
+        self.temperature = _check_float("temperature", self.temperature)
+        self.top_p = _check_float("top_p", self.top_p)
+        self.top_k = _check_int("top_k", self.top_k)
+        self.min_p = _check_float("min_p", self.min_p)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty)
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, optional=True)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        self.seed = _check_int("seed", self.seed, optional=True)
+        self.logprobs = _check_int("logprobs", self.logprobs, optional=True)
+        self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _check_bool(
+            "spaces_between_special_tokens", self.spaces_between_special_tokens
+        )
+        self.include_stop_str_in_output = _check_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        # --- ranges ---
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature:g}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty:g}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty:g}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"stop must be a str, a list of str or None, got {stop!r}")
+        for s in items:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only str, got {s!r} ({type(s).__name__})")
+            if not s:
+                raise ValueError("stop strings must be non-empty, got ''")
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of int or None, got {ids!r}")
+        result: list[int] = []
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(
+                    f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__})"
+                )
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            result.append(int(t))
+        return result
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is deterministic argmax (temperature < ``SAMPLING_EPS``)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the list fields are not shared with the original)."""
+        return copy.deepcopy(self)
