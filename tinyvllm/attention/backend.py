@@ -15,9 +15,43 @@ cache — greedy outputs are batch invariant (see DESIGN.md).
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("tinyvllm")
+_KERNEL: object | None = None
+_KERNEL_TRIED = False
+
+
+def cpu_kernel():
+    """The compiled C++ paged-attention kernel (``cpu_kernel.cpp``), or None if unavailable.
+
+    Built once with ``torch.utils.cpp_extension`` into ``$TINYVLLM_CACHE/torch_extensions``.
+    ``TINYVLLM_ATTENTION=torch`` disables it (pure-PyTorch float64 path).
+    """
+    global _KERNEL, _KERNEL_TRIED
+    if _KERNEL_TRIED:
+        return _KERNEL
+    _KERNEL_TRIED = True
+    if os.environ.get("TINYVLLM_ATTENTION", "cpp") == "torch":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from tinyvllm.model.loader import cache_root
+
+        build = cache_root() / "torch_extensions" / f"paged_attention_torch{torch.__version__.split('+')[0]}"
+        build.mkdir(parents=True, exist_ok=True)
+        _KERNEL = load(name="tinyvllm_paged_attention", sources=[str(Path(__file__).with_name("cpu_kernel.cpp"))],
+                       extra_cflags=["-O3", "-march=native"], build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no ninja...
+        logger.warning("C++ paged attention kernel unavailable (%s); using the PyTorch float64 path", e)
+        _KERNEL = None
+    return _KERNEL
 
 
 @dataclass
@@ -52,6 +86,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor
     prefill_seq_ids: list[int]
     prefill_slots: list[torch.Tensor]
+    token_seq: torch.Tensor | None = None
+    token_pos: torch.Tensor | None = None
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -94,6 +130,9 @@ class AttentionMetadata:
             decode_mask = torch.zeros(0, 1, dtype=torch.bool)
             decode_token_idx = torch.zeros(0, dtype=torch.int64)
         prefill_slots = [all_slots[i, : seq_lens[i]].clone() for i in pre]
+        token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
+        token_pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]) if query_lens \
+            else torch.zeros(0, dtype=torch.int64)
         return cls(
             slot_mapping=slot_mapping.to(device),
             query_start_loc=qsl,
@@ -106,6 +145,8 @@ class AttentionMetadata:
             decode_mask=decode_mask.to(device),
             prefill_seq_ids=pre,
             prefill_slots=[p.to(device) for p in prefill_slots],
+            token_seq=token_seq.to(device),
+            token_pos=token_pos.to(device),
         )
 
 
@@ -152,6 +193,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     hk = k.shape[1]
     g = hq // hk
     write_kv(kv_cache, k, v, md.slot_mapping)
+    kern = cpu_kernel() if q.device.type == "cpu" else None
+    if kern is not None:
+        out = kern.paged_attention(q.float(), kv_cache[0], kv_cache[1], md.block_tables, md.token_seq,
+                                   md.token_pos, scale)
+        return out.to(q.dtype)
     kc = kv_cache[0].view(-1, hk, d)
     vc = kv_cache[1].view(-1, hk, d)
     out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)

@@ -9,6 +9,7 @@ API server) sends :class:`EngineCoreRequest` and receives
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -74,6 +75,9 @@ class EngineCore:
         mc, cc = config.model_config, config.cache_config
         self.resolved = resolved or resolve_model(mc.model)
         torch.manual_seed(mc.seed)
+        threads = int(os.environ.get("TINYVLLM_NUM_THREADS", "0") or 0)
+        if threads > 0:
+            torch.set_num_threads(threads)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
         self.model = model if model is not None else load_model(self.resolved.model_dir, self.dtype, mc.device)
