@@ -90,6 +90,14 @@ class EngineCore:
         num_blocks = cc.num_kv_blocks or max(1, int(cc.kv_cache_memory) // bytes_per_block)
         self.num_blocks = num_blocks
         self.kv_capacity_tokens = num_blocks * cc.block_size
+        if self.max_model_len > self.kv_capacity_tokens:
+            logger.warning("max_model_len %d exceeds the KV cache capacity of %d tokens; lowering it to %d",
+                           self.max_model_len, self.kv_capacity_tokens, self.kv_capacity_tokens)
+            self.max_model_len = self.kv_capacity_tokens
+        sc = config.scheduler_config
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({self.max_model_len})")
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, mc.device)
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
         self.load_seconds = time.monotonic() - t0
