@@ -64,3 +64,64 @@ def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(res, indent=2, default=str))
     return res
+
+
+def add_latency_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--result-file", default=None)
+
+
+def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, num_iters: int = 3,
+                seed: int = 0) -> dict[str, Any]:
+    """Prefill speed (one prompt of ``input_len`` tokens, time to its first token) and decode speed
+    (``batch_size`` sequences generating ``output_len`` tokens after their prefill), best of ``num_iters``.
+
+    Prefix caching is bypassed by using fresh random prompts each iteration.
+    """
+    from tinyvllm.sampling_params import SamplingParams
+
+    eng = llm.llm_engine
+    vocab = eng.core.model.config.vocab_size
+    prefill_s, decode_step_s = [], []
+    for it in range(num_iters):
+        prompts = random_token_prompts(batch_size, input_len, vocab, seed + 1000 * it)
+        sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        for p in prompts:
+            eng.add_request(p, sp)
+        t0 = time.perf_counter()
+        eng.step()  # the whole batch's prefill (when it fits the token budget) + first tokens
+        t1 = time.perf_counter()
+        steps = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+        t2 = time.perf_counter()
+        prefill_s.append(t1 - t0)
+        if steps:
+            decode_step_s.append((t2 - t1) / steps)
+    best_prefill = min(prefill_s)
+    best_step = min(decode_step_s) if decode_step_s else float("nan")
+    return {
+        "input_len": input_len, "output_len": output_len, "batch_size": batch_size,
+        "prefill_s": best_prefill, "prefill_tokens_per_s": batch_size * input_len / best_prefill,
+        "decode_step_s": best_step, "decode_tokens_per_s": batch_size / best_step,
+    }
+
+
+def main_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from tinyvllm.entrypoints.llm import LLM
+
+    llm = LLM(**engine_kwargs)
+    run_latency(llm, 16, 4, 1, 1, seed=777)  # warm-up
+    res = run_latency(llm, args.input_len, args.output_len, args.batch_size, args.num_iters)
+    res["engine"] = dict(engine_kwargs)
+    print(f"{'dtype':>9} {'batch':>6} {'in':>6} {'prefill s':>10} {'prefill tok/s':>14} {'step ms':>8} {'decode tok/s':>13}")
+    print(f"{str(engine_kwargs.get('dtype')):>9} {res['batch_size']:>6} {res['input_len']:>6} {res['prefill_s']:>10.3f} "
+          f"{res['prefill_tokens_per_s']:>14.1f} {res['decode_step_s'] * 1000:>8.2f} {res['decode_tokens_per_s']:>13.1f}")
+    if args.result_file:
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(res, indent=2, default=str))
+    return res

@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(bp)
     bench_tp.add_throughput_args(bp)
     bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, engine_kwargs(a)), 0)[1])
+    bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process")
+    add_engine_args(bp)
+    bench_tp.add_latency_args(bp)
+    bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, engine_kwargs(a)), 0)[1])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
