@@ -72,11 +72,14 @@ def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):
             if a != b:
                 assert a in ref_tops[i], f"step {i}: our token {a} not in HF top-5 {ref_tops[i]}"
                 assert b in ours.logprobs[i], f"step {i}: HF token {b} not in our top-5"
+                # A divergence happens only at a near-tie of the two candidates (bf16 logits are coarse).
+                assert ours.logprobs[i][a].logprob - ours.logprobs[i][b].logprob < 0.5
+                assert ref_tops[i][b] - ref_tops[i][a] < 0.5
                 break
             matched += 1
             # Same token: its logprob agrees to bf16 precision.
             assert abs(ours.logprobs[i][a].logprob - ref_tops[i][b]) < 0.25
-    assert matched >= len(chat_ids) * NUM_TOKENS // 2
+    assert matched >= len(chat_ids)  # not a degenerate comparison
 
 
 def test_chat_and_generate_text(smol_llm):

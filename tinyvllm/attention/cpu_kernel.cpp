@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -130,6 +131,168 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torc
   return out;
 }
 
+
+namespace {
+
+template <typename C>
+inline C from_f(float x) { return static_cast<C>(x); }  // c10::BFloat16(float) rounds to nearest even
+
+// Round a float to the storage dtype and back (identity for float32).
+template <typename C>
+inline float round_to(float x) { return to_f(from_f<C>(x)); }
+
+template <typename C>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const torch::Tensor& weight,
+                   double eps, torch::Tensor& out, torch::Tensor& res_out) {
+  const int64_t T = x.size(0), H = x.size(1);
+  const C* xp = x.data_ptr<C>();
+  const C* rp = residual ? residual->data_ptr<C>() : nullptr;
+  const C* wp = weight.data_ptr<C>();
+  C* op = out.data_ptr<C>();
+  C* rop = res_out.data_ptr<C>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(H);
+    for (int64_t t = begin; t < end; ++t) {
+      float lanes[kLanes] = {0};
+      for (int64_t i = 0; i < H; ++i) {
+        float v = to_f(xp[t * H + i]);
+        if (rp) v = round_to<C>(v + to_f(rp[t * H + i]));  // residual add in the model dtype
+        h[i] = v;
+        rop[t * H + i] = from_f<C>(v);
+      }
+      int64_t i = 0;
+      for (; i + kLanes <= H; i += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += h[i + l] * h[i + l];
+      for (int l = 0; i + l < H; ++l) lanes[l] += h[i + l] * h[i + l];
+      for (int w = kLanes / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+      const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + feps);
+      for (int64_t j = 0; j < H; ++j)
+        op[t * H + j] = from_f<C>(to_f(wp[j]) * round_to<C>(h[j] * inv));
+    }
+  });
+}
+
+template <typename C>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  const C* xp = x.data_ptr<C>();
+  C* op = out.data_ptr<C>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const C* g = xp + t * 2 * I;
+      const C* u = g + I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = to_f(g[i]);
+        const float silu = round_to<C>(gv / (1.0f + std::exp(-gv)));
+        op[t * I + i] = from_f<C>(silu * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// Rotary embedding (rotate-half layout) on q and k from a fused qkv row, K/V written into the
+// paged cache at slot_mapping; q returned rotated, rounded to the model dtype, as float32.
+template <typename C>
+void rope_and_cache_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const torch::Tensor& positions, torch::Tensor& key_cache, torch::Tensor& value_cache,
+                         const torch::Tensor& slot_mapping, int64_t Hq, int64_t Hk, torch::Tensor& q_out) {
+  const int64_t T = qkv.size(0), D = key_cache.size(3), half = D / 2;
+  const int64_t row = qkv.stride(0);
+  const C* xp = qkv.data_ptr<C>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* slp = slot_mapping.data_ptr<int64_t>();
+  C* kc = key_cache.data_ptr<C>();
+  C* vc = value_cache.data_ptr<C>();
+  float* qo = q_out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const C* x = xp + t * row;
+      const float* c = cp + pp[t] * half;
+      const float* s = sp + pp[t] * half;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const C* q = x + h * D;
+        float* o = qo + (t * Hq + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(q[i]), x2 = to_f(q[i + half]);
+          o[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      const int64_t slot = slp[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const C* k = x + (Hq + h) * D;
+        const C* v = x + (Hq + Hk + h) * D;
+        C* kd = kc + (slot * Hk + h) * D;
+        C* vd = vc + (slot * Hk + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(k[i]), x2 = to_f(k[i + half]);
+          kd[i] = from_f<C>(x1 * c[i] - x2 * s[i]);
+          kd[i + half] = from_f<C>(x2 * c[i] + x1 * s[i]);
+        }
+        for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> rms_norm_cpu(torch::Tensor x, std::optional<torch::Tensor> residual,
+                                        torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be contiguous [T, H]");
+  auto out = torch::empty_like(x);
+  auto res_out = torch::empty_like(x);
+  torch::Tensor r;
+  if (residual.has_value()) r = residual->contiguous();
+  const torch::Tensor* rp = residual.has_value() ? &r : nullptr;
+  if (x.scalar_type() == torch::kBFloat16) rms_norm_impl<c10::BFloat16>(x, rp, weight.contiguous(), eps, out, res_out);
+  else if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, rp, weight.contiguous(), eps, out, res_out);
+  else TORCH_CHECK(false, "unsupported dtype");
+  return {out, res_out};
+}
+
+torch::Tensor silu_and_mul_cpu(torch::Tensor x) {
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kBFloat16) silu_and_mul_impl<c10::BFloat16>(x, out);
+  else if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
+  else TORCH_CHECK(false, "unsupported dtype");
+  return out;
+}
+
+// Rotary + KV-cache write + paged attention for one layer: qkv [T, (Hq+2Hk)*D] -> out [T, Hq*D].
+torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                       torch::Tensor positions, torch::Tensor kv_cache,
+                                       torch::Tensor slot_mapping, torch::Tensor block_tables,
+                                       torch::Tensor token_seq, int64_t Hq, int64_t Hk, double scale) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (Hq+2Hk)*D] with unit inner stride");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be [2, nb, bs, Hk, D]");
+  const int64_t T = qkv.size(0), D = kv_cache.size(4);
+  auto key_cache = kv_cache.select(0, 0);
+  auto value_cache = kv_cache.select(0, 1);
+  auto q = torch::empty({T, Hq, D}, qkv.options().dtype(torch::kFloat32));
+  auto out = torch::empty({T, Hq, D}, q.options());
+  block_tables = block_tables.contiguous();
+  if (qkv.scalar_type() == torch::kBFloat16) {
+    rope_and_cache_impl<c10::BFloat16>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+    attention_impl<c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+  } else if (qkv.scalar_type() == torch::kFloat32) {
+    rope_and_cache_impl<float>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+    attention_impl<float>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+  } else {
+    TORCH_CHECK(false, "unsupported dtype");
+  }
+  return out.view({T, Hq * D}).to(qkv.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU)");
+  m.def("rms_norm", &rms_norm_cpu, "RMSNorm with optional fused residual add -> (out, residual)");
+  m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
+  m.def("rope_cache_attention", &rope_cache_attention_cpu, "rotary + KV write + paged attention");
 }

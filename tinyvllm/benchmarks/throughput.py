@@ -76,8 +76,9 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
 
 def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, num_iters: int = 3,
                 seed: int = 0) -> dict[str, Any]:
-    """Prefill speed (one prompt of ``input_len`` tokens, time to its first token) and decode speed
-    (``batch_size`` sequences generating ``output_len`` tokens after their prefill), best of ``num_iters``.
+    """Prefill speed (time until the last prompt token of the batch is computed, chunked by the
+    token budget) and decode speed (mean time of steps that compute no prompt token, with
+    ``batch_size`` sequences generating ``output_len`` tokens), best of ``num_iters``.
 
     Prefix caching is bypassed by using fresh random prompts each iteration.
     """
@@ -92,16 +93,19 @@ def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, 
         for p in prompts:
             eng.add_request(p, sp)
         t0 = time.perf_counter()
-        eng.step()  # the whole batch's prefill (when it fits the token budget) + first tokens
-        t1 = time.perf_counter()
-        steps = 0
+        t1 = None
+        decode_times = []
         while eng.has_unfinished_requests():
+            ts = time.perf_counter()
             eng.step()
-            steps += 1
-        t2 = time.perf_counter()
-        prefill_s.append(t1 - t0)
-        if steps:
-            decode_step_s.append((t2 - t1) / steps)
+            te = time.perf_counter()
+            if eng.core.last_stats.step_prefill_tokens > 0:
+                t1 = te  # the last step that still computed prompt tokens
+            else:
+                decode_times.append(te - ts)
+        prefill_s.append((t1 or time.perf_counter()) - t0)
+        if decode_times:
+            decode_step_s.append(sum(decode_times) / len(decode_times))
     best_prefill = min(prefill_s)
     best_step = min(decode_step_s) if decode_step_s else float("nan")
     return {

@@ -22,7 +22,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` [T, H]; with ``residual`` [T, H], first ``x = x + residual`` (in the model
+        dtype) and return ``(normed, x)`` — the fused residual add of a pre-norm transformer."""
+        from tinyvllm.attention.backend import cpu_kernel
+
+        kern = cpu_kernel() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
+        if kern is not None:
+            out, res = kern.rms_norm(x.contiguous(), residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         var = h.pow(2).mean(-1, keepdim=True)
@@ -91,6 +106,10 @@ class RotaryEmbedding(nn.Module):
             freqs = pos[:, None] * self.inv_freq[None, :].float()
             self._cos, self._sin = freqs.cos(), freqs.sin()
         return self._cos, self._sin
+
+    def tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full cos and sin tables, each [>= needed, D/2] float32."""
+        return self._table(needed)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` [T] (int64): each [T, 1, D/2] float32 (computed once per step)."""

@@ -114,6 +114,26 @@ class Linear(nn.Linear):
         return batch_invariant_linear(x, self.weight, self.bias)
 
 
+class RopeInputs:
+    """Per-step rotary inputs shared by all layers: positions [T] int64 and the cos/sin tables."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        from tinyvllm.attention.backend import cpu_kernel
+
+        self.positions = positions
+        self.rotary = rotary
+        needed = int(positions.max().item()) + 1 if positions.numel() else 1
+        self.cos_table, self.sin_table = rotary.tables(needed)
+        self.kernel = cpu_kernel() if positions.device.type == "cpu" else None
+        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at each token's position: [T, 1, D/2] float32 each."""
+        if self._gathered is None:
+            self._gathered = self.rotary.cos_sin(self.positions)
+        return self._gathered
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -126,15 +146,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: "RopeInputs", x: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if rope.kernel is not None and md.token_seq is not None:
+            # Fused C++ path: rotary, KV-cache write and paged attention in one call.
+            o = rope.kernel.rope_cache_attention(qkv, rope.cos_table, rope.sin_table, rope.positions, kv_cache,
+                                                 md.slot_mapping, md.block_tables, md.token_seq,
+                                                 self.num_heads, self.num_kv_heads, self.scale)
+            return self.o_proj(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        cos, sin = rope.gathered()
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = paged_attention(q, k, v, kv_cache, md, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -149,7 +176,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gu = self.gate_up_proj(x)
+        from tinyvllm.attention.backend import cpu_kernel
+
+        kern = cpu_kernel() if gu.device.type == "cpu" and gu.dtype in (torch.bfloat16, torch.float32) else None
+        if kern is not None:
+            return self.down_proj(kern.silu_and_mul(gu))
+        gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -161,10 +194,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope: "RopeInputs", x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block with the residual stream carried separately: returns (mlp output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,10 +234,11 @@ class LlamaForCausalLM(nn.Module):
             [T, hidden] final hidden states (after the last RMSNorm).
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions)
+        rope = RopeInputs(self.rotary, positions)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(rope, x, kv, md)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv, md)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
