@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# GPU check for tinyvllm's Triton kernels.  Run on a CUDA machine (not in CI):
-#   bash scripts/gpu_check.sh            # tests natively on CUDA, then the timing table
+# GPU check for tinyvllm's GPU path.  Run on a CUDA machine (not in CI):
+#   bash scripts/gpu_check.sh            # kernel tests, engine tests, then the timing table
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 # Needs a Python with CUDA torch + triton (the repo's .venv is CPU-only, so the
 # system python3 is the default).  Whole run: ~3-5 minutes on an H100/H200,
 # dominated by Triton JIT compilation; each stage has its own timeout.
+# Stages: (1) Triton kernels vs PyTorch references (tests/test_triton_kernels.py);
+# (2) the whole engine on CUDA - eager, with CUDA graphs of the decode step, and
+# graphs for small batches only - against the CPU float32 greedy tokens on a
+# tiny random Llama, plus the graph runner's padding (tests/test_gpu_engine.py);
+# (3) the kernel timing table (scripts/gpu_bench.py).
+# The engine needs msgspec, which a bare GPU image may lack: wheels found in
+# ./.whl (e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 -d .whl msgspec==0.22.0` on a machine with
+# PyPI, folder git-ignored) are installed into a temporary directory first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export TRITON_INTERPRET=0            # compile the kernels for the GPU, not the interpreter
 export TRITON_DEFAULT_FP_FUSION=1    # silence triton 3.9's default-change warning
 export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    site="${TMPDIR:-/tmp}/tinyvllm_gpu_check_site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 "$PY" - <<'PYEOF' || exit 1
 import sys, torch, triton
@@ -23,6 +38,17 @@ PYEOF
 status=0
 echo "== kernel tests on CUDA =="
 timeout 360 "$PY" -m pytest -q -x -rs tests/test_triton_kernels.py || status=$?
+echo "== engine on CUDA: eager / CUDA graphs vs CPU float32 greedy tokens =="
+if "$PY" -c "import msgspec, transformers, tokenizers, safetensors" 2>/dev/null; then
+    # TINYVLLM_ATTENTION=torch: the CPU reference uses the pure-PyTorch path (no C++ build on this machine).
+    TINYVLLM_ATTENTION=torch TINYVLLM_NUM_THREADS=4 timeout 300 "$PY" -m pytest -q -x -rs tests/test_gpu_engine.py \
+        || status=$?
+else
+    echo "engine tests NOT RUN: missing Python packages:"
+    "$PY" -c "import msgspec, transformers, tokenizers, safetensors" 2>&1 | tail -1
+    echo "(carry wheels in ./.whl, see the top of this script)"
+    status=1
+fi
 echo "== benchmark =="
 timeout 240 "$PY" scripts/gpu_bench.py || status=$?
 echo "gpu_check: exit status $status"

@@ -70,6 +70,31 @@ def parse_size(value: int | float | str) -> int:
     return size
 
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` -> ``cuda`` if ``torch.cuda.is_available()`` else ``cpu``; other names as given.
+
+    Raises:
+        ValueError: an unknown device name, or CUDA asked for but not available.
+    """
+    name = str(device)
+    if not _DEVICE_RE.fullmatch(name):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use --device cpu")
+        dev = torch.device(name)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return dev
+    return torch.device("cpu")
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how.
@@ -81,6 +106,11 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output, tokens); default the
             model's ``max_position_embeddings``.
         seed: seed of the default random generator (unseeded requests).
+        device: ``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (CUDA when
+            ``torch.cuda.is_available()``, else CPU); resolved when the engine starts
+            (:func:`resolve_device`).
+        enforce_eager: never capture CUDA graphs (vLLM's flag); CUDA graphs of the
+            decode step are used only on CUDA.
     """
 
     model: str = DEFAULT_MODEL
@@ -88,9 +118,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "cpu"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if not _DEVICE_RE.fullmatch(str(self.device)):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -44,10 +44,14 @@ def cpu_kernel():
 
         from tinyvllm.model.loader import cache_root
 
-        build = cache_root() / "torch_extensions" / f"paged_attention_torch{torch.__version__.split('+')[0]}"
+        src = Path(__file__).with_name("cpu_kernel.cpp")
+        import hashlib
+
+        tag = hashlib.sha256(src.read_bytes()).hexdigest()[:10]
+        build = cache_root() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
-        _KERNEL = load(name="tinyvllm_paged_attention", sources=[str(Path(__file__).with_name("cpu_kernel.cpp"))],
-                       extra_cflags=["-O3", "-march=native"], build_directory=str(build), verbose=False)
+        _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(src)],
+                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja...
         logger.warning("C++ paged attention kernel unavailable (%s); using the PyTorch float64 path", e)
         _KERNEL = None
@@ -73,6 +77,15 @@ class AttentionMetadata:
             ``decode_slots`` [Sd, Lmax] int64 slots of every context position,
             ``decode_mask`` [Sd, Lmax] bool (True = attend).
         prefill_seq_ids: python ints of sequences with more than one new token.
+        token_seq, token_pos: [num_tokens] int64 sequence index and position of each
+            new token (the C++ CPU kernel).
+        seq_lens_tensor, query_start_loc_tensor: int32 device copies of ``seq_lens``
+            and ``query_start_loc`` (the Triton backend, :func:`use_triton`).
+        decode_only: every sequence has exactly one new token.
+
+    With the Triton backend (:func:`use_triton`) only ``slot_mapping``,
+    ``block_tables``, the two int32 tensors and ``decode_only`` are filled; the
+    CPU-path fields are left empty (``token_seq`` None).
     """
 
     slot_mapping: torch.Tensor
@@ -88,6 +101,9 @@ class AttentionMetadata:
     prefill_slots: list[torch.Tensor]
     token_seq: torch.Tensor | None = None
     token_pos: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
+    query_start_loc_tensor: torch.Tensor | None = None
+    decode_only: bool = False
 
     @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -114,6 +130,17 @@ class AttentionMetadata:
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             slot_chunks.append(all_slots[i, s - q: s])
         slot_mapping = torch.cat(slot_chunks) if slot_chunks else torch.zeros(0, dtype=torch.int64)
+        if use_triton(device):
+            return cls(
+                slot_mapping=slot_mapping.to(device), query_start_loc=qsl, seq_lens=list(seq_lens),
+                block_tables=bt.to(device), block_size=block_size, decode_seq_ids=[],
+                decode_token_idx=torch.zeros(0, dtype=torch.int64, device=device),
+                decode_slots=torch.zeros(0, 1, dtype=torch.int64, device=device),
+                decode_mask=torch.zeros(0, 1, dtype=torch.bool, device=device), prefill_seq_ids=[], prefill_slots=[],
+                seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+                query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32).to(device),
+                decode_only=all(q == 1 for q in query_lens),
+            )
 
         dec = [i for i, q in enumerate(query_lens) if q == 1]
         pre = [i for i, q in enumerate(query_lens) if q > 1]
@@ -147,7 +174,14 @@ class AttentionMetadata:
             prefill_slots=[p.to(device) for p in prefill_slots],
             token_seq=token_seq.to(device),
             token_pos=token_pos.to(device),
+            decode_only=not pre,
         )
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether attention on ``device`` runs the Triton backend: always on CUDA; on the CPU only
+    with ``TINYVLLM_ATTENTION=triton`` (the kernels then need ``TRITON_INTERPRET=1``; for tests)."""
+    return torch.device(device).type == "cuda" or os.environ.get("TINYVLLM_ATTENTION") == "triton"
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -189,6 +223,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Returns:
         [T, Hq, D] attention output, dtype of ``q``.
     """
+    if q.is_cuda or os.environ.get("TINYVLLM_ATTENTION") == "triton":
+        from tinyvllm.attention import triton_backend  # lazy: imports triton
+
+        return triton_backend.paged_attention(q, k, v, kv_cache, md, scale)
     T, hq, d = q.shape
     hk = k.shape[1]
     g = hq // hk

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from tinyvllm.config import EngineConfig
+from tinyvllm.config import EngineConfig, resolve_device
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.request import Request
 from tinyvllm.model.llama import load_model
@@ -69,10 +69,12 @@ class EngineCore:
 
         Raises:
             ModelNotFoundError: the model cannot be found.
-            ValueError: ``max_model_len`` beyond the model's positions.
+            ValueError: ``max_model_len`` beyond the model's positions; CUDA asked for but unavailable.
         """
         self.config = config
         mc, cc = config.model_config, config.cache_config
+        self.device = resolve_device(mc.device)  # "auto" -> cuda if available, else cpu
+        mc.device = str(self.device)
         self.resolved = resolved or resolve_model(mc.model)
         torch.manual_seed(mc.seed)
         threads = int(os.environ.get("TINYVLLM_NUM_THREADS", "0") or 0)
@@ -80,7 +82,10 @@ class EngineCore:
             torch.set_num_threads(threads)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
-        self.model = model if model is not None else load_model(self.resolved.model_dir, self.dtype, mc.device)
+        self.model = model if model is not None else load_model(self.resolved.model_dir, self.dtype, self.device)
+        model_device = next(self.model.parameters()).device
+        if model_device.type != self.device.type:
+            raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {self.device}")
         mcfg = self.model.config
         if mc.max_model_len is not None and mc.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings "
@@ -98,12 +103,15 @@ class EngineCore:
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, mc.device)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
+                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=mc.enforce_eager)
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
         self.load_seconds = time.monotonic() - t0
         logger.info(
-            "model %s (%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
-            self.resolved.served_name, str(self.dtype).replace("torch.", ""), self.load_seconds, num_blocks,
+            "model %s (%s, %s%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
+            self.resolved.served_name, str(self.dtype).replace("torch.", ""), self.device,
+            ", CUDA graphs" if self.runner.graph_runner is not None else "", self.load_seconds, num_blocks,
             cc.block_size, self.kv_capacity_tokens, num_blocks * bytes_per_block / 2**30,
             "prefix caching on" if cc.enable_prefix_caching else "prefix caching off",
         )

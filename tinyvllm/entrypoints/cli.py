@@ -26,6 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit number of KV blocks (overrides memory)")
     g.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run every step eagerly (no CUDA-graph capture of the decode step)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -34,6 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        device=args.device, enforce_eager=args.enforce_eager,
     )
 
 

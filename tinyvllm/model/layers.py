@@ -113,7 +113,8 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for ``positions`` [T] (int64): each [T, 1, D/2] float32 (computed once per step)."""
-        cos_t, sin_t = self._table(int(positions.max().item()) + 1 if positions.numel() else 1)
+        needed = self.max_position if positions.is_cuda else (int(positions.max().item()) + 1 if positions.numel() else 1)
+        cos_t, sin_t = self._table(needed)
         return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
 

@@ -122,7 +122,8 @@ class RopeInputs:
 
         self.positions = positions
         self.rotary = rotary
-        needed = int(positions.max().item()) + 1 if positions.numel() else 1
+        # On CUDA avoid a host read-back (CUDA-graph capture): the tables cover max_position anyway.
+        needed = rotary.max_position if positions.is_cuda else (int(positions.max().item()) + 1 if positions.numel() else 1)
         self.cos_table, self.sin_table = rotary.tables(needed)
         self.kernel = cpu_kernel() if positions.device.type == "cpu" else None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None

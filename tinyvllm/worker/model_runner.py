@@ -16,7 +16,8 @@ import torch
 from tinyvllm.attention.backend import AttentionMetadata
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.model.llama import LlamaForCausalLM
-from tinyvllm.sample.sampler import Sampler, SamplingMetadata
+from tinyvllm.sample.sampler import Sampler, SamplingMetadata, make_generator
+from tinyvllm.worker.cuda_graph import DecodeGraphRunner
 
 
 @dataclass
@@ -36,24 +37,39 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Owns the model weights and the paged KV cache tensors."""
+    """Owns the model weights and the paged KV cache tensors (on ``device``).
+
+    On CUDA, unless ``enforce_eager``, decode-only steps replay CUDA graphs
+    (:class:`~tinyvllm.worker.cuda_graph.DecodeGraphRunner`, captured here for batch
+    sizes up to ``max_num_seqs``); other steps run eagerly.
+    """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", *, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 enforce_eager: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
+        if self.device.type == "cuda":  # kernels launch and graphs capture on the current device's streams
+            torch.cuda.set_device(self.device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
-        # One [2, num_blocks, block_size, Hk, D] tensor per layer. torch.empty leaves pages
-        # untouched, so resident memory grows only as blocks are written.
+        # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
+        # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
+        alloc = torch.empty if self.device.type == "cpu" else torch.zeros
         self.kv_caches = [
-            torch.empty(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
-                        device=self.device)
+            alloc(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            runner = DecodeGraphRunner(model, self.kv_caches, block_size, max_num_seqs,
+                                       max_model_len or cfg.max_position_embeddings, self.device)
+            if runner.capture():
+                self.graph_runner = runner
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -75,16 +91,26 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
-        md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+        gr = self.graph_runner
+        if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
+                and gr.can_run(len(tables), max(len(t) for t in tables))):
+            hidden = gr.run(input_ids, positions, seq_lens, tables)
+        else:
+            md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+            ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+            pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, md)
         if not sample_reqs:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         banned = []
         for req in sample_reqs:
             sp = req.sampling_params
+            gen = req.generator
+            if gen is not None and gen.device != self.device:
+                # Request makes its seeded generator on the CPU; remake it on the logits' device before
+                # its first draw (it is used nowhere else, so no draw is lost).
+                req.generator = make_generator(sp.seed, self.device)
             if req.num_output_tokens < sp.min_tokens:
                 banned.append(sorted(set(req.eos_token_ids) | set(sp.stop_token_ids or [])))
             else:
