@@ -19,6 +19,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--min-output-len", type=int, default=None,
+                   help="draw each request's output length uniformly from [min, --output-len] (mixed lengths)")
     p.add_argument("--dataset-seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
 
@@ -29,13 +31,16 @@ def random_token_prompts(n: int, input_len: int, vocab_size: int, seed: int) -> 
     return [{"prompt_token_ids": [rng.randrange(100, vocab_size) for _ in range(input_len)]} for _ in range(n)]
 
 
-def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, seed: int = 0) -> dict[str, Any]:
+def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                   min_output_len: int | None = None) -> dict[str, Any]:
     """Time one ``generate`` over the whole batch; returns throughput figures (tokens/s, requests/s)."""
     from tinyvllm.sampling_params import SamplingParams
 
     vocab = llm.llm_engine.core.model.config.vocab_size
     prompts = random_token_prompts(num_prompts, input_len, vocab, seed)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rng = random.Random(seed + 1)
+    lens = [output_len if min_output_len is None else rng.randint(min_output_len, output_len) for _ in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -45,7 +50,7 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, 
         "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
         "elapsed_s": elapsed, "requests_per_s": num_prompts / elapsed,
         "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "engine_stats": llm.stats(),
+        "min_output_len": min_output_len, "engine_stats": llm.stats(),
     }
 
 
@@ -55,7 +60,8 @@ def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
     llm = LLM(**engine_kwargs)
     # Warm-up (first-touch of KV pages, allocator) on a tiny batch.
     run_throughput(llm, 2, 16, 4, seed=12345)
-    res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset_seed)
+    res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset_seed,
+                         args.min_output_len)
     res["engine"] = {k: v for k, v in engine_kwargs.items()}
     print(f"{'requests':>10} {'in':>6} {'out':>6} {'elapsed s':>10} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10}")
     print(f"{res['num_prompts']:>10} {res['input_len']:>6} {res['output_len']:>6} {res['elapsed_s']:>10.2f} "
