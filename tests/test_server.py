@@ -1,0 +1,599 @@
+"""End-to-end tests of the OpenAI-compatible server: a real ``tinyvllm serve`` process
+(API process + EngineCore process) with the real SmolLM2-135M-Instruct in bfloat16,
+exercised with the official ``openai`` client and raw ``httpx``.
+
+One server is started for the whole module. The last test stops it with SIGTERM
+while streams are in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 16
+MAX_WAITING = 20
+START_TIMEOUT_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log_path = log_path
+        self.base = f"http://127.0.0.1:{port}"
+        self.core_pid: int | None = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); treat it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
+           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--max-waiting-requests", str(MAX_WAITING), "--kv-cache-memory", "256MiB"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    srv = ServerProc(proc, port, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with code {proc.returncode} during start-up:\n{srv.log_tail()}")
+        try:
+            r = httpx.get(srv.base + "/health", timeout=2)
+            if r.status_code == 200:
+                srv.core_pid = r.json()["engine_core_pid"]
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{srv.log_tail()}")
+        time.sleep(0.5)
+    yield srv
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if srv.core_pid and _pid_alive(srv.core_pid):
+        os.kill(srv.core_pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _metrics(server: ServerProc) -> dict[str, float]:
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m:
+            key = m.group(1) + (m.group(2) or "")
+            out[key] = float(m.group(3))
+    return out
+
+
+def _metric(server: ServerProc, name: str, **labels: str) -> float:
+    total = 0.0
+    for key, v in _metrics(server).items():
+        base = key.split("{", 1)[0]
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in key for k, val in labels.items()):
+            total += v
+    return total
+
+
+def _wait_idle(server: ServerProc, timeout: float = 10.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = _metric(server, "tinyvllm:num_requests_running")
+        used = _metric(server, "tinyvllm:kv_cache_used_blocks")
+        waiting = _metric(server, "tinyvllm:num_requests_waiting")
+        if (running, used, waiting) == (0, 0, 0) or time.monotonic() > deadline:
+            return running, used
+        time.sleep(0.1)
+
+
+CHAT = [{"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+# ----------------------------------------------------------------------------- unit (no server)
+
+
+def test_protocol_to_sampling_params():
+    from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    sp = CompletionRequest(prompt="hi").to_sampling_params()
+    assert sp.temperature == 1.0 and sp.max_tokens == 16 and sp.logprobs is None
+    sp = CompletionRequest(prompt=[1, 2], max_tokens=None, logprobs=2, top_k=5, stop="x").to_sampling_params()
+    assert sp.max_tokens is None and sp.logprobs == 2 and sp.top_k == 5 and sp.stop == ["x"]
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                 max_completion_tokens=5, logprobs=True)
+    sp = chat.to_sampling_params()
+    assert sp.max_tokens == 5 and sp.logprobs == 0
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
+    with pytest.raises(ValueError, match="^top_logprobs"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=2).to_sampling_params()
+    with pytest.raises(ValueError, match="^temperature"):
+        CompletionRequest(prompt="x", temperature=-0.5).to_sampling_params()
+    with pytest.raises(ValueError, match="^stream_options"):
+        CompletionRequest(prompt="x", stream_options={"include_usage": True}).to_sampling_params()
+
+
+def test_admission_check_and_delta_merge():
+    from tinyvllm.engine.async_llm import AsyncLLM, EngineOverloadedError, _merge_delta
+    from tinyvllm.outputs import CompletionOutput, RequestOutput
+
+    eng = AsyncLLM.__new__(AsyncLLM)  # no process: only the bookkeeping
+    eng._dead, eng._accepting, eng.max_waiting_requests = None, True, 3
+    eng.stats, eng._num_sent = {"num_waiting": 1, "num_added": 4}, 5  # 1 waiting + 1 in transit
+    eng.check_admission()
+    eng._num_sent = 6
+    with pytest.raises(EngineOverloadedError):
+        eng.check_admission()
+    eng.stats = {"num_waiting": 0, "num_added": 6}
+    eng.check_admission()
+
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "he", [5]), CompletionOutput(1, "x", [7])], False)
+    b = RequestOutput("r", None, [1], [CompletionOutput(0, "llo", [6], finish_reason="stop")], True)
+    m = _merge_delta(a, b)
+    assert m.finished and [(c.index, c.text, c.token_ids, c.finish_reason) for c in m.outputs] == [
+        (0, "hello", [5, 6], "stop"), (1, "x", [7], None)]
+
+
+def test_core_messages_round_trip():
+    import msgspec
+
+    from tinyvllm.engine.core import EngineCoreOutput, EngineCoreRequest
+    from tinyvllm.engine.core_proc import EngineCoreOutputs, encode
+    from tinyvllm.sampling_params import SamplingParams
+    from tinyvllm.worker.model_runner import TokenLogprobs
+
+    req = EngineCoreRequest("a", [1, 2], SamplingParams(temperature=0.5, stop=["x"], seed=3, max_tokens=None), [2], 1.5)
+    assert msgspec.msgpack.decode(encode([req]), type=list[EngineCoreRequest]) == [req]
+    out = EngineCoreOutputs([EngineCoreOutput("a", [5], [TokenLogprobs(5, -0.1, 1, [(5, -0.1), (6, -2.0)])], "stop",
+                                              "x", 2, 0)], [("b", "too long")], {"num_running": 1}, 3.0)
+    assert msgspec.msgpack.decode(encode(out), type=EngineCoreOutputs) == out
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = httpx.get(server.base + "/health").json()
+    assert h["status"] == "ok" and h["engine_core_pid"] != server.proc.pid
+    assert "version" in httpx.get(server.base + "/version").json()
+    assert "tinyvllm:kv_cache_usage_perc" in httpx.get(server.base + "/metrics").text
+
+
+def test_completion_stream_equals_nonstream(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw)
+    text = full.choices[0].text
+    assert text and full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    # Second identical request: its prompt was cached (a full block or more is needed for a hit).
+    again = client.completions.create(**dict(kw, prompt="word " * 40))
+    again2 = client.completions.create(**dict(kw, prompt="word " * 40))
+    assert again2.usage.prompt_tokens_details.cached_tokens >= 16
+    assert again.choices[0].text == again2.choices[0].text
+
+
+def test_chat_stream_equals_nonstream(client):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=20, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and "Paris" in msg.content
+    assert full.object == "chat.completion"
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # text-part content and max_tokens (deprecated name) work too
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=8, temperature=0)
+    assert r.usage.completion_tokens <= 8 and r.choices[0].message.content
+
+
+def test_n_with_seed_is_reproducible(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a short story."}], n=3,
+              temperature=1.0, seed=1234, max_tokens=12)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.usage.completion_tokens == b.usage.completion_tokens
+    # completions, streamed, with a seed: same texts as non-streamed
+    ck = dict(model=MODEL, prompt="Once upon a time", n=2, temperature=0.8, seed=7, max_tokens=10)
+    full = client.completions.create(**ck)
+    texts = {0: "", 1: ""}
+    for ch in client.completions.create(**ck, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert [texts[0], texts[1]] == [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+
+
+def test_logprobs_formats(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert all(1 <= len(t) <= 4 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):  # greedy: sampled token is the top
+        assert abs(max(top.values()) - tlp) < 1e-6 and top[tok] == tlp
+    assert "".join(lp.tokens) == r.choices[0].text
+
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    # streamed chat logprobs arrive with the deltas
+    got = []
+    for ch in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                             top_logprobs=1, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            got.extend(t.token for t in ch.choices[0].logprobs.content)
+    assert got == [t.token for t in content]
+    # logprobs without the flag: none
+    c2 = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert c2.choices[0].logprobs is None
+
+
+def test_stop_string_spanning_tokens(client):
+    prompt = "Here is a list of fruits: apple, banana,"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=0)
+    lp = base.choices[0].logprobs
+    text, toks, offs = base.choices[0].text, lp.tokens, lp.text_offset
+    assert "".join(toks) == text
+    # a stop string made of the end of one token and the start of the next
+    stop = None
+    for i in range(1, len(toks) - 1):
+        a, b = toks[i], toks[i + 1]
+        cand = a[-2:] + b[:2]
+        if len(a) >= 2 and len(b) >= 2 and text.find(cand) == offs[i + 1] - 2:
+            stop = cand
+            break
+    assert stop is not None, f"no usable token boundary in {toks!r}"
+    cut = text.find(stop)
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+    assert full.choices[0].text == text[:cut]
+    assert full.choices[0].finish_reason == "stop"
+    deltas, finish = [], None
+    for ch in client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                        stream=True):
+        for c in ch.choices:
+            deltas.append(c.text)
+            finish = c.finish_reason or finish
+    assert "".join(deltas) == text[:cut]  # nothing of the stop string was ever sent
+    assert finish == "stop"
+    inc = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop,
+                                    extra_body={"include_stop_str_in_output": True})
+    assert inc.choices[0].text == text[:cut + len(stop)]
+    # chat, streamed, with a stop string
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    ctext = chat.choices[0].message.content
+    cstop = ctext[5:9]
+    sdeltas, sfinish = [], None
+    for ch in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0, stop=[cstop],
+                                             stream=True):
+        if ch.choices:
+            sdeltas.append(ch.choices[0].delta.content or "")
+            sfinish = ch.choices[0].finish_reason or sfinish
+    assert "".join(sdeltas) == ctext[:ctext.find(cstop)] and sfinish == "stop"
+
+
+def test_token_id_and_batched_prompts(server, client):
+    prompts = ["The sky is", "My favourite food is"]
+    singles = [client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+               for p in prompts]
+    ids = [httpx.post(server.base + "/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=ids[0], max_tokens=8, temperature=0)
+    assert r.choices[0].text == singles[0] and r.usage.prompt_tokens == len(ids[0])
+    # Batched prompts: choice index = prompt_i * n + sample_j; greedy texts equal the single runs.
+    batched = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0)
+    by_index = {c.index: c.text for c in batched.choices}
+    assert sorted(by_index) == [0, 1, 2, 3]
+    assert [by_index[i] for i in range(4)] == [singles[0]] * 2 + [singles[1]] * 2
+    assert batched.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    ids_batched = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(ids_batched.choices, key=lambda c: c.index)] == singles
+    streamed = {0: "", 1: ""}
+    for ch in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stream=True):
+        for c in ch.choices:
+            streamed[c.index] += c.text
+    assert [streamed[0], streamed[1]] == singles
+    echo = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0, echo=True)
+    assert echo.choices[0].text == prompts[0] + singles[0]
+
+
+def test_tokenize_detokenize(server):
+    r = httpx.post(server.base + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == MAX_MODEL_LEN
+    d = httpx.post(server.base + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert d["prompt"] == "Hello world"
+    c = httpx.post(server.base + "/tokenize", json={"messages": CHAT}).json()
+    assert c["count"] > r["count"]
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_16_concurrent_streams_match_sequential(client):
+    prompts = [f"Question {i}: what is {i} plus {i + 1}? Answer:" for i in range(16)]
+    kw = dict(model=MODEL, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    sequential = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+
+    barrier = threading.Barrier(16)
+
+    def stream_one(p: str) -> str:
+        barrier.wait(timeout=30)
+        out = []
+        for ch in client.completions.create(prompt=p, stream=True, **kw):
+            out.extend(c.text for c in ch.choices)
+        return "".join(out)
+
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(stream_one, prompts))
+    assert concurrent == sequential
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _post(server, path, body=None, content=None):
+    if content is not None:
+        return httpx.post(server.base + path, content=content, headers={"content-type": "application/json"},
+                          timeout=30)
+    return httpx.post(server.base + path, json=body, timeout=30)
+
+
+def _assert_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "temperature": -1}), 400, "temperature")
+    assert "temperature" in err["message"] and err["type"] == "BadRequestError"
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "temperature": "hot"}), 400, "temperature")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "top_p": 0}), 400, "top_p")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "n": 0}), 400, "n")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}), 400,
+                  "top_logprobs")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 50}), 400, "logprobs")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": ""}), 400, "prompt")
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, "prompt")
+    long_prompt = "hello " * (MAX_MODEL_LEN + 10)
+    err = _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": long_prompt}), 400)
+    assert "maximum context length" in err["message"]
+    _assert_error(_post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+                  400, "max_tokens")
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "model": "gpt-99"}), 404, "model")
+    assert err["type"] == "NotFoundError"
+    _assert_error(_post(server, "/v1/completions", content=b'{"model": "x", "prompt": '), 400)
+    _assert_error(_post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4}), 400, "messages")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "messages": []}), 400, "messages")
+    _assert_error(_post(server, "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "x"}]}),
+                  400, "messages")
+    _assert_error(httpx.get(server.base + "/v1/nothing-here"), 404)
+    # the openai client sees the same as exceptions
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    # and the server still serves good requests
+    ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert ok.choices[0].message.content
+
+
+# ----------------------------------------------------------------------------- cancellation
+
+
+def test_disconnect_aborts_and_frees_kv(server):
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            # Keep the line iterator referenced: once garbage-collected, httpx closes the
+            # connection, which is a disconnect the server (rightly) acts on.
+            lines = r.iter_lines()
+            seen = []
+            for line in lines:
+                if line.startswith("data: "):
+                    seen.append(line)
+                    if len(seen) == 2:
+                        break
+            assert all('"text"' in line for line in seen), seen
+            assert _metric(server, "tinyvllm:num_requests_running") == 1
+            assert _metric(server, "tinyvllm:kv_cache_used_blocks") >= 1
+        # leaving the block closes the connection mid-stream
+    assert _wait_idle(server) == (0, 0)
+    # non-streaming: the client gives up (timeout) and disconnects
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json={**body, "stream": False}, timeout=1.5)
+    assert _wait_idle(server) == (0, 0)
+    # chat stream cut after the first chunk
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 800, "ignore_eos": True, "stream": True, "n": 2}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.base + "/v1/chat/completions", json=chat) as r:
+            for line in r.iter_lines():
+                if '"content"' in line and '"content":""' not in line:
+                    break
+    assert _wait_idle(server) == (0, 0)
+
+
+def test_503_when_waiting_queue_full(server, client):
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as ac:
+            # MAX_NUM_SEQS samples fill the running batch for a while...
+            big = {"model": MODEL, "prompt": "Keep going:", "n": MAX_NUM_SEQS, "max_tokens": 600, "ignore_eos": True,
+                   "temperature": 1.0, "seed": 1, "stream": True}
+            async with ac.stream("POST", "/v1/completions", json=big) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                # ...so these wait in the queue
+                small = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+                waiting = [asyncio.create_task(ac.post("/v1/completions", json=small)) for _ in range(MAX_WAITING)]
+                deadline = time.monotonic() + 20
+                while _metric(server, "tinyvllm:num_requests_waiting") < MAX_WAITING:
+                    assert time.monotonic() < deadline, "requests did not queue up"
+                    assert not any(t.done() for t in waiting)
+                    await asyncio.sleep(0.1)
+                over = await ac.post("/v1/completions", json=small)
+                assert over.status_code == 503, over.text
+                err = over.json()["error"]
+                assert err["code"] == 503 and "overloaded" in err["message"]
+            # closing the big stream aborts it; the queued requests then run
+            results = await asyncio.gather(*waiting)
+            assert [r.status_code for r in results] == [200] * MAX_WAITING
+
+    asyncio.run(run())
+    assert _wait_idle(server) == (0, 0)
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert ok.choices[0].text is not None
+
+
+def test_metrics_counters(server):
+    m = _metrics(server)
+
+    def get(name):
+        return sum(v for k, v in m.items() if k.split("{")[0] == name)
+
+    assert get("tinyvllm:time_to_first_token_seconds_count") > 10
+    assert get("tinyvllm:inter_token_latency_seconds_count") > 10
+    assert get("tinyvllm:e2e_request_latency_seconds_count") > 10
+    assert get("tinyvllm:prompt_tokens_total") > 100
+    assert get("tinyvllm:generation_tokens_total") > 100
+    assert get("tinyvllm:prompt_tokens_cached_total") > 0
+    assert sum(v for k, v in m.items() if k.startswith("tinyvllm:request_success_total")
+               and 'finished_reason="length"' in k) > 10
+    assert get("tinyvllm:num_requests_running") == 0 and get("tinyvllm:kv_cache_used_blocks") == 0
+    assert get("tinyvllm:kv_cache_usage_perc") == 0
+    assert "tinyvllm:num_preemptions_total" in "".join(m)
+
+
+# ----------------------------------------------------------------------------- shutdown (keep last)
+
+
+def test_sigterm_ends_streams_and_exits(server):
+    body = {"model": MODEL, "prompt": "Write a very long essay:", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    outcomes: dict[int, str] = {}
+    started = threading.Barrier(4)
+
+    def stream(i: int) -> None:
+        try:
+            with httpx.Client(timeout=30) as c, c.stream("POST", server.base + "/v1/completions", json=body) as r:
+                first = True
+                for line in r.iter_lines():
+                    if first and line.startswith("data: {"):
+                        first = False
+                        started.wait(timeout=30)
+                    if line.startswith("data: {") and '"error"' in line:
+                        outcomes[i] = "error-event"
+                    elif line == "data: [DONE]":
+                        outcomes[i] = outcomes.get(i, "done") + "+done"
+            outcomes.setdefault(i, "closed")
+        except Exception as e:  # noqa: BLE001 - a closed connection is an acceptable ending too
+            outcomes.setdefault(i, f"exception {type(e).__name__}")
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    started.wait(timeout=60)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=15)
+    assert not any(t.is_alive() for t in threads), "a stream hung after SIGTERM"
+    code = server.proc.wait(timeout=15)
+    elapsed = time.monotonic() - t0
+    assert code == 0, server.log_tail()
+    assert elapsed < 12
+    assert sorted(outcomes) == [0, 1, 2]
+    assert all(v.startswith("error-event") for v in outcomes.values()), outcomes
+    assert server.core_pid is not None and not _pid_alive(server.core_pid)
+    log = server.log_tail(20000)
+    assert "Traceback" not in log, log

@@ -1,0 +1,468 @@
+"""AsyncLLM: the API process's client of an EngineCore running in its own process.
+
+The three layers of the serving pipeline, and where each one runs:
+
+* API process (this module and ``entrypoints/openai``): HTTP, validation, chat
+  template, tokenization; one asyncio task reads the core's output messages,
+  runs the :class:`OutputProcessor` (incremental detokenization, stop strings)
+  and pushes per-request deltas into per-request asyncio queues, from which the
+  HTTP handlers stream.
+* EngineCore process (:mod:`tinyvllm.engine.core_proc`): scheduler + model
+  runner, stepping in a busy loop. Model weights are loaded only there.
+
+The two talk over ZMQ PUSH/PULL ``ipc://`` sockets with msgspec msgpack. The core
+sends a step's outputs and goes straight on to the next step, so detokenizing
+step N overlaps the forward pass of step N+1.
+
+The model is resolved (a GGUF converted and cached) once, here, before the core
+process starts; the core gets the resolved directory and only loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import types
+from typing import Any, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.core import EngineCoreRequest
+from tinyvllm.engine.core_proc import (ABORT, ADD, ERROR, OUTPUTS, READY, RESET_CACHE, SHUTDOWN, EngineCoreOutputs,
+                                       encode, run_engine_core)
+from tinyvllm.engine.llm_engine import child_params
+from tinyvllm.engine.output_processor import OutputProcessor
+from tinyvllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from tinyvllm.metrics.prometheus import ServerMetrics
+from tinyvllm.model.loader import resolve_model
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tinyvllm.async_llm")
+
+DEFAULT_START_TIMEOUT_S = float(os.environ.get("TINYVLLM_ENGINE_START_TIMEOUT", "600"))
+
+
+class EngineStartError(RuntimeError):
+    """The engine core process failed to start (its error, or its exit code, is in the message)."""
+
+
+class EngineStartCancelled(RuntimeError):
+    """Start-up was interrupted (SIGINT/SIGTERM) before the engine became ready."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process died or reported a fatal error; no request can be served."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The server is shutting down; the request was ended."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``); the server answers 503."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve (e.g. a prompt too long); ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Fold delta ``b`` into delta ``a`` (when the reader lags, several deltas queue up)."""
+    by_index: dict[int, CompletionOutput] = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        p = by_index.get(c.index)
+        if p is None:
+            by_index[c.index] = c
+            continue
+        p.text += c.text
+        p.token_ids = list(p.token_ids) + list(c.token_ids)
+        if c.logprobs is not None:
+            p.logprobs = list(p.logprobs or []) + list(c.logprobs)
+        p.cumulative_logprob = c.cumulative_logprob
+        p.finish_reason, p.stop_reason = c.finish_reason, c.stop_reason
+    a.outputs = list(by_index.values())
+    a.finished = b.finished
+    a.metrics = b.metrics
+    a.num_cached_tokens = b.num_cached_tokens
+    return a
+
+
+class RequestStream:
+    """Async iterator over one request's delta :class:`RequestOutput` objects.
+
+    Deltas that queued up while the consumer was busy are merged into one. The
+    iterator ends after the finished output; it raises the engine's error if the
+    engine died or is shutting down. Call :meth:`abort` (idempotent) when the
+    consumer goes away before the end.
+    """
+
+    def __init__(self, engine: "AsyncLLM", request_id: str, queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self.finished = False
+        self._pending_error: BaseException | None = None
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        if self._pending_error is not None:
+            self._fail(self._pending_error)
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._fail(item)
+        while not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending_error = nxt
+                break
+            item = _merge_delta(item, nxt)
+        if item.finished:
+            self.finished = True
+            self.engine._forget(self.request_id)
+        return item
+
+    def _fail(self, err: BaseException) -> None:
+        self.finished = True
+        self.engine.abort(self.request_id)
+        raise err
+
+    def abort(self) -> None:
+        """Abort the request in the engine unless it already finished."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Front end of an engine core process.
+
+    Args:
+        config: engine configuration (the core process builds its EngineCore from it).
+        served_model_name: name reported by the API (default: the model's own name).
+        log_level: logging level for the core process.
+        start_timeout: seconds to wait for the core to load the model.
+
+    Raises:
+        ModelNotFoundError: the model cannot be found (raised here, in the API process).
+    """
+
+    def __init__(self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO",
+                 start_timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+        self.config = config
+        self.log_level = log_level
+        self.start_timeout = start_timeout
+        self.resolved = resolve_model(config.model_config.model)
+        self.tokenizer = load_tokenizer(self.resolved.model_dir)
+        self.model_name = served_model_name or self.resolved.served_name
+        self.processor = OutputProcessor(self.tokenizer)
+        self.metrics = ServerMetrics(self.model_name)
+        self.max_waiting_requests = config.scheduler_config.max_waiting_requests
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.eos_token_ids: list[int] = []
+        self.engine_info: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._num_sent = 0
+        self._accepting = False
+        self._dead: BaseException | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tmpdir: str | None = None
+        self._sync_ctx: zmq.Context | None = None
+        self._async_ctx: zmq.asyncio.Context | None = None
+        self._in_sock: zmq.Socket | None = None
+        self._out_sock: zmq.asyncio.Socket | None = None
+        self._output_task: asyncio.Task | None = None
+        self._stopped = False
+        # Called (in the event loop) once the core has died; the server uses it to exit.
+        self.on_dead: Callable[[BaseException], None] | None = None
+        self._output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def engine_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._proc is not None and self._proc.is_alive()
+
+    async def start(self, should_cancel: Callable[[], bool] | None = None) -> None:
+        """Start the core process and wait until it reports ready.
+
+        Raises:
+            EngineStartError: the core failed to load, exited, or did not become ready in time.
+            EngineStartCancelled: ``should_cancel()`` turned true while waiting.
+        """
+        self._tmpdir = tempfile.mkdtemp(prefix="tinyvllm-ipc-")
+        in_addr = f"ipc://{self._tmpdir}/input"
+        out_addr = f"ipc://{self._tmpdir}/output"
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._in_sock = self._sync_ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.bind(in_addr)
+        self._out_sock = self._async_ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.RCVHWM, 0)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(target=run_engine_core, name="EngineCore",
+                                args=(self.config, self.resolved, in_addr, out_addr, os.getpid(), self.log_level))
+        self._proc.start()
+        logger.info("engine core process started (pid %d); loading %s", self._proc.pid, self.resolved.model_dir)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if await self._out_sock.poll(100):
+                tag, payload = await self._out_sock.recv_multipart()
+                if tag == READY:
+                    self.engine_info = msgspec.msgpack.decode(payload)
+                    break
+                if tag == ERROR:
+                    raise EngineStartError(f"engine core failed to start: {msgspec.msgpack.decode(payload)}")
+                continue
+            if not self._proc.is_alive():
+                raise EngineStartError(f"engine core process exited with code {self._proc.exitcode} during "
+                                       "start-up (see its log above)")
+            if should_cancel is not None and should_cancel():
+                raise EngineStartCancelled("start-up interrupted")
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engine core did not become ready within {self.start_timeout:.0f}s")
+        info = self.engine_info
+        self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.eos_token_ids = eos_token_ids(self.tokenizer, types.SimpleNamespace(eos_token_id=info["eos_token_id"]))
+        self.stats = {"num_running": 0, "num_waiting": 0, "kv_blocks_used": 0,
+                      "kv_blocks_total": info["num_kv_blocks"], "num_added": 0}
+        self.metrics.update_from_stats(self.stats)
+        self._accepting = True
+        self._output_task = asyncio.create_task(self._output_loop(), name="tinyvllm-output-loop")
+        logger.info("engine core ready: max_model_len %d, %d KV blocks x %d tokens", self.max_model_len,
+                    info["num_kv_blocks"], info["block_size"])
+
+    def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests and end every in-flight request with :class:`EngineShutdownError`."""
+        self._accepting = False
+        self._fail_all(EngineShutdownError(reason))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """End in-flight requests, stop the output task, stop the core process (join, then kill)."""
+        if self._output_task is not None:
+            self._output_task.cancel()
+            try:
+                await self._output_task
+            except BaseException:  # noqa: BLE001 - cancelled or already failed
+                pass
+            self._output_task = None
+        self.begin_shutdown()
+        await asyncio.to_thread(self._stop_process, timeout)
+        self._close_sockets()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Synchronous shutdown (no event loop needed): stop the core process, close sockets. Idempotent."""
+        self._accepting = False
+        self._stop_process(timeout)
+        self._close_sockets()
+
+    def _stop_process(self, timeout: float) -> None:
+        """Tell the core to exit and join it; terminate, then kill, if it does not."""
+        proc = self._proc
+        if proc is None or self._stopped:
+            return
+        self._stopped = True
+        if proc.is_alive():
+            if self.engine_info:
+                self._send(SHUTDOWN, b"", raise_if_dead=False)
+            else:  # still loading: it reads no messages yet
+                proc.terminate()
+            proc.join(timeout)
+            if proc.is_alive():
+                logger.warning("engine core did not exit in %.1fs; terminating", timeout)
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        logger.info("engine core process %d exited (code %s)", proc.pid, proc.exitcode)
+
+    def _close_sockets(self) -> None:
+        for sock in (self._in_sock, self._out_sock):
+            if sock is not None:
+                sock.close(0)
+        self._in_sock = self._out_sock = None
+        for ctx in (self._sync_ctx, self._async_ctx):
+            if ctx is not None:
+                ctx.term()
+        self._sync_ctx = self._async_ctx = None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # ------------------------------------------------------------------ requests
+    def _send(self, tag: bytes, payload: Any, raise_if_dead: bool = True) -> None:
+        data = payload if isinstance(payload, bytes) else encode(payload)
+        try:
+            if self._in_sock is None:
+                raise zmq.Again()
+            self._in_sock.send_multipart([tag, data], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # no connected peer: the core is gone
+            if raise_if_dead:
+                raise EngineDeadError(f"cannot reach the engine core ({e})") from e
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validate a tokenized request against the engine's limits.
+
+        Raises:
+            InvalidRequestError: empty prompt, prompt (+ max_tokens) longer than
+                ``max_model_len``, or token ids outside the vocabulary.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
+                f"{n} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+                "prompt")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or max_tokens.", "max_tokens")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+
+    def num_waiting_estimate(self) -> int:
+        """Sequences waiting in the core (last snapshot) plus those sent since the core last reported."""
+        in_transit = self._num_sent - int(self.stats.get("num_added", 0))
+        return int(self.stats.get("num_waiting", 0)) + max(0, in_transit)
+
+    def check_admission(self) -> None:
+        """Raise :class:`EngineDeadError` / :class:`EngineShutdownError` / :class:`EngineOverloadedError`
+        when a new request cannot be accepted now."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine core is dead: {self._dead}")
+        if not self._accepting:
+            raise EngineShutdownError("the server is not accepting requests (starting up or shutting down)")
+        if self.max_waiting_requests is not None:
+            waiting = self.num_waiting_estimate()
+            if waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {waiting} requests are waiting (max_waiting_requests="
+                    f"{self.max_waiting_requests}); retry later")
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> RequestStream:
+        """Validate, admit and send a request to the core; returns the stream of its delta outputs.
+
+        Raises:
+            InvalidRequestError: see :meth:`check_request`.
+            EngineOverloadedError, EngineShutdownError, EngineDeadError: see :meth:`check_admission`.
+        """
+        self.check_request(prompt_token_ids, params)
+        self.check_admission()
+        if request_id in self._queues:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
+        arrival = arrival_time or time.monotonic()
+        queue: asyncio.Queue = asyncio.Queue()
+        kids = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
+        self._queues[request_id] = queue
+        self.metrics.request_added(request_id, arrival)
+        reqs = [EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i) if len(kids) > 1 else params,
+                                  self.eos_token_ids, arrival) for i, cid in enumerate(kids)]
+        try:
+            self._send(ADD, reqs)
+        except EngineDeadError:
+            self._forget(request_id)
+            self.processor.abort_request(request_id)
+            raise
+        self._num_sent += len(reqs)
+        return RequestStream(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and abort its unfinished samples in the core (KV blocks freed next loop)."""
+        self._forget(request_id)
+        kids = self.processor.abort_request(request_id)
+        if kids:
+            self._send(ABORT, kids, raise_if_dead=False)
+
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self.metrics.request_aborted(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self._send(RESET_CACHE, b"")
+
+    def _fail_all(self, err: BaseException) -> None:
+        kids: list[str] = []
+        for rid in list(self._queues):
+            self._queues[rid].put_nowait(err)
+            kids.extend(self.processor.abort_request(rid))
+        if kids and self._dead is None:
+            self._send(ABORT, kids, raise_if_dead=False)
+
+    # ------------------------------------------------------------------ output loop
+    async def _output_loop(self) -> None:
+        assert self._out_sock is not None and self._proc is not None
+        try:
+            while True:
+                if not await self._out_sock.poll(1000):
+                    if not self._proc.is_alive():
+                        raise EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode})")
+                    continue
+                tag, payload = await self._out_sock.recv_multipart()
+                if tag == OUTPUTS:
+                    self._handle_outputs(self._output_decoder.decode(payload))
+                elif tag == ERROR:
+                    raise EngineDeadError(f"the engine core failed: {msgspec.msgpack.decode(payload)}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            logger.error("engine output loop stopped: %s", e, exc_info=not isinstance(e, EngineDeadError))
+            self._dead = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
+            self._accepting = False
+            self._fail_all(self._dead)
+            if self.on_dead is not None:
+                self.on_dead(self._dead)
+
+    def _handle_outputs(self, msg: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        if msg.stats:
+            self.stats = msg.stats
+            self.metrics.update_from_stats(msg.stats)
+        for cid, err in msg.rejected:
+            parent = self.processor.child_to_parent.get(cid)
+            if parent is None:
+                continue
+            queue = self._queues.get(parent)
+            self.abort(parent)
+            if queue is not None:
+                queue.put_nowait(InvalidRequestError(err))
+        if not msg.outputs:
+            return
+        outs, to_abort = self.processor.process_outputs(msg.outputs, delta=True)
+        if to_abort:  # stop strings matched here; free the samples' KV in the core
+            self._send(ABORT, to_abort, raise_if_dead=False)
+        for out in outs:
+            self.metrics.record_output(out, now)
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)

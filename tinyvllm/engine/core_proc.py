@@ -1,0 +1,223 @@
+"""The EngineCore process: a busy loop that receives requests over ZMQ, steps the engine, sends outputs.
+
+Two ZMQ PUSH/PULL pipes connect it to the API process (``ipc://`` sockets in a
+temp dir, which the API process binds; this process connects):
+
+* input (API -> core): ``[tag, msgpack payload]`` frames: ``ADD`` (a list of
+  :class:`EngineCoreRequest`), ``ABORT`` (a list of request ids), ``RESET_CACHE``
+  and ``SHUTDOWN``;
+* output (core -> API): ``READY`` (a dict describing the loaded engine, sent once),
+  ``OUTPUTS`` (:class:`EngineCoreOutputs`: one step's outputs, the requests
+  rejected on arrival, and a stats snapshot) and ``ERROR`` (a fatal error text,
+  after which the process exits).
+
+The loop drains every pending message without blocking while it has work, and
+blocks in ``poll`` (with a timeout, to notice a dead parent) when idle. It sends
+an ``OUTPUTS`` message after every step and after any message that changed its
+state (an abort frees KV blocks at once, so the API's gauges fall to zero even
+when no step follows). Sending right after a step and going straight into the
+next one is what lets the API process detokenize step N while step N+1 computes.
+
+The process exits when told to (``SHUTDOWN``), on SIGTERM, or when its parent
+dies (``PR_SET_PDEATHSIG`` where available, and a ``getppid`` check otherwise);
+SIGINT is ignored so a terminal's Ctrl-C is handled by the API process, which
+then shuts this one down in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import zmq
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.engine.core import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger("tinyvllm.core_proc")
+
+# Message tags (first frame).
+ADD = b"ADD"
+ABORT = b"ABORT"
+RESET_CACHE = b"RESET_CACHE"
+SHUTDOWN = b"SHUTDOWN"
+READY = b"READY"
+OUTPUTS = b"OUTPUTS"
+ERROR = b"ERROR"
+
+_IDLE_POLL_MS = 500
+_PARENT_CHECK_S = 1.0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One message from the core: a step's outputs, rejected adds, and a stats snapshot.
+
+    Attributes:
+        outputs: per-request new tokens / finishes of the step (may be empty).
+        rejected: ``(request_id, error message)`` of requests the core refused.
+        stats: :meth:`EngineCore.stats` plus ``num_added`` (requests received so far)
+            and ``step_seconds``.
+        timestamp: ``time.monotonic()`` when sent.
+    """
+
+    outputs: list[EngineCoreOutput] = []
+    rejected: list[tuple[str, str]] = []
+    stats: dict[str, Any] = {}
+    timestamp: float = 0.0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
+_ids_decoder = msgspec.msgpack.Decoder(list[str])
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def _set_pdeathsig() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+def _send_error(sock: zmq.Socket, text: str) -> None:
+    try:
+        sock.send_multipart([ERROR, encode(text)])
+    except zmq.ZMQError:  # the API process is gone; nobody to tell
+        pass
+
+
+def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output_addr: str,
+                    parent_pid: int, log_level: str = "INFO") -> None:
+    """Entry point of the engine core process (a ``multiprocessing`` spawn target)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_pdeathsig()
+    logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s [EngineCore pid %(process)d]: %(message)s")
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    out_sock = ctx.socket(zmq.PUSH)
+    for s in (in_sock, out_sock):
+        s.setsockopt(zmq.LINGER, 2000)
+    out_sock.setsockopt(zmq.SNDTIMEO, 1000)
+    in_sock.connect(input_addr)
+    out_sock.connect(output_addr)
+    code = 0
+    try:
+        if os.getppid() != parent_pid:
+            return
+        try:
+            from tinyvllm.engine.core import EngineCore
+
+            core = EngineCore(config, resolved)
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            _send_error(out_sock, f"{type(e).__name__}: {e}")
+            code = 1
+            return
+        stop = {"flag": False}
+
+        def on_term(signum, frame):  # noqa: ARG001
+            stop["flag"] = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        mcfg = core.model.config
+        out_sock.send_multipart([READY, encode({
+            "pid": os.getpid(),
+            "max_model_len": core.max_model_len,
+            "vocab_size": mcfg.vocab_size,
+            "eos_token_id": getattr(mcfg, "eos_token_id", None),
+            "num_kv_blocks": core.num_blocks,
+            "block_size": config.cache_config.block_size,
+            "load_seconds": core.load_seconds,
+            "served_name": core.resolved.served_name,
+        })])
+        try:
+            _busy_loop(core, in_sock, out_sock, parent_pid, stop)
+        except Exception as e:
+            logger.exception("engine core loop failed")
+            _send_error(out_sock, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            code = 1
+    finally:
+        in_sock.close(0)
+        out_sock.close()
+        ctx.term()
+        if os.getppid() != parent_pid and input_addr.startswith("ipc://"):
+            # Orphaned (the API process died): remove the socket directory it cannot clean up.
+            shutil.rmtree(os.path.dirname(input_addr[len("ipc://"):]), ignore_errors=True)
+        logger.info("engine core process exiting")
+    if code:
+        sys.exit(code)
+
+
+def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int, stop: dict) -> None:
+    poller = zmq.Poller()
+    poller.register(in_sock, zmq.POLLIN)
+    num_added = 0
+    last_parent_check = time.monotonic()
+    while not stop["flag"]:
+        busy = core.has_unfinished_requests()
+        now = time.monotonic()
+        if now - last_parent_check > _PARENT_CHECK_S:
+            last_parent_check = now
+            if os.getppid() != parent_pid:
+                logger.warning("parent process %d is gone; exiting", parent_pid)
+                return
+        ready = poller.poll(0 if busy else _IDLE_POLL_MS)
+        changed = False
+        rejected: list[tuple[str, str]] = []
+        if ready:
+            while True:  # drain everything pending, never blocking
+                try:
+                    tag, payload = in_sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                changed = True
+                if tag == ADD:
+                    for req in _add_decoder.decode(payload):
+                        num_added += 1
+                        try:
+                            core.add_request(req)
+                        except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
+                            if not isinstance(e, ValueError):
+                                logger.exception("request %s rejected", req.request_id)
+                            rejected.append((req.request_id, str(e)))
+                elif tag == ABORT:
+                    core.abort_requests(_ids_decoder.decode(payload))
+                elif tag == RESET_CACHE:
+                    core.reset_prefix_cache()
+                elif tag == SHUTDOWN:
+                    logger.info("shutdown requested")
+                    return
+                else:
+                    logger.error("unknown message tag %r", tag)
+        stepped = core.has_unfinished_requests()
+        t0 = time.perf_counter()
+        outputs = core.step() if stepped else []
+        if stepped or changed:
+            stats = core.stats()
+            stats["num_added"] = num_added
+            stats["step_seconds"] = time.perf_counter() - t0 if stepped else 0.0
+            msg = [OUTPUTS, encode(EngineCoreOutputs(outputs, rejected, stats, time.monotonic()))]
+            while True:  # blocks only if the API process stops reading; never forever
+                try:
+                    out_sock.send_multipart(msg, copy=False)
+                    break
+                except zmq.Again:
+                    if stop["flag"] or os.getppid() != parent_pid:
+                        return

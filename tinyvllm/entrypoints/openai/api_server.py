@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an engine core process.
+
+``tinyvllm serve [engine flags] [--host H --port P --served-model-name NAME
+--max-waiting-requests N --log-level L]``.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(JSON or SSE streaming), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``.
+Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+
+Shutdown (SIGINT / SIGTERM): in-flight requests end at once (streams with an
+error event and ``data: [DONE]``), uvicorn closes its connections, then the
+engine core process is told to exit and is joined (terminated, then killed, if
+it does not). The core process also exits by itself if this process dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tinyvllm
+from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
+from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest)
+from tinyvllm.entrypoints.openai.serving import OpenAIServing, error_body, error_response
+from tinyvllm.metrics.prometheus import CONTENT_TYPE
+
+logger = logging.getLogger("tinyvllm.api_server")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """HTTP server flags (vLLM's names)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the model is served under (default: the model's name); the first is reported")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 while this many requests are waiting for the engine (default: unbounded)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of the server and engine (default info)")
+
+
+# ----------------------------------------------------------------------------- app
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx") or {}
+            return f"malformed JSON body: {ctx.get('error', err.get('msg', 'invalid JSON'))}", None
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "invalid request: " + "; ".join(parts[:5]), param
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> FastAPI:
+    """The FastAPI application over a started :class:`AsyncLLM`."""
+    app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
+    serving = OpenAIServing(engine, served_model_names)
+    app.state.engine = engine
+    app.state.serving = serving
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(f"internal server error: {type(exc).__name__}", 500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse(error_body("the engine core is not running", 503), status_code=503)
+        return JSONResponse({"status": "ok", "engine_core_pid": engine.engine_pid})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tinyvllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return serving.list_models()
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await serving.create_completion(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.create_chat_completion(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        return await serving.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        return await serving.detokenize(req)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    return app
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class _Server(uvicorn.Server):
+    """uvicorn server that, on SIGINT/SIGTERM, first ends the engine's in-flight requests so that
+    streaming responses finish (with an error event) instead of holding the graceful shutdown."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit:
+            logger.info("received signal %d: shutting down", sig)
+            self._loop.call_soon_threadsafe(self._engine.begin_shutdown)
+        super().handle_exit(sig, frame)
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] | None, signals: list[int]) -> int:
+    try:
+        try:
+            await engine.start(should_cancel=lambda: bool(signals))
+        except EngineStartCancelled:
+            logger.info("interrupted during start-up")
+            return 0
+        except EngineStartError as e:
+            logger.error("%s", e)
+            return 1
+        app = build_app(engine, served)
+        level = args.log_level.lower()
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=5, lifespan="off")
+        server = _Server(config, engine)
+        died: list[BaseException] = []
+
+        def on_dead(err: BaseException) -> None:  # a dead engine cannot recover: exit (non-zero)
+            logger.error("engine core died (%s); shutting down the server", err)
+            died.append(err)
+            server.should_exit = True
+
+        engine.on_dead = on_dead
+        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host, args.port,
+                    engine.engine_pid)
+        await server.serve()
+        return 0 if server.started and not died else 1
+    finally:
+        await engine.shutdown()
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Start the engine core process and serve HTTP until SIGINT/SIGTERM; returns the exit code."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.entrypoints.cli import engine_kwargs
+
+    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
+    logging.getLogger().setLevel(level)
+    logging.getLogger("tinyvllm").setLevel(level)
+    kwargs = engine_kwargs(args)
+    kwargs["max_waiting_requests"] = args.max_waiting_requests
+    try:
+        if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+        config = EngineConfig.from_kwargs(**kwargs)
+    except (TypeError, ValueError) as e:
+        logger.error("invalid engine options: %s", e)
+        return 2
+    if not _port_free(args.host, args.port):
+        logger.error("cannot listen on %s:%d: address already in use", args.host, args.port)
+        return 1
+    # Until uvicorn takes them over (and again after it hands them back), SIGINT/SIGTERM are only
+    # recorded: start-up polls the record and stops in order, so no engine process is left behind.
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    engine = None
+    try:
+        served = args.served_model_name
+        engine = AsyncLLM(config, served_model_name=served[0] if served else None, log_level=args.log_level)
+        if signals:
+            return 0
+        return asyncio.run(_serve(args, engine, served, signals))
+    finally:
+        if engine is not None:
+            engine.close(timeout=2.0)  # idempotent; covers an exception escaping the event loop
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

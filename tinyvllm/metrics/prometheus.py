@@ -1,0 +1,134 @@
+"""Prometheus metrics of the API server (vLLM's metric set under the ``tinyvllm:`` prefix).
+
+Per-request latencies (TTFT, inter-token latency, end-to-end) and token counters
+are recorded in the API process from the request outputs as they stream; the
+scheduler gauges (running / waiting requests, KV cache usage) and the preemption
+and prefix-cache counters come from the engine core's stats snapshot, which the
+core sends after every step (and after aborts). Each server owns its own
+:class:`~prometheus_client.CollectorRegistry`, so several servers (or tests) in
+one process never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tinyvllm.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass
+class _ReqState:
+    arrival: float
+    last_token_time: float | None = None
+    counted_prompt: bool = False
+
+
+class ServerMetrics:
+    """The server's metric families plus the per-request bookkeeping that feeds them."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lab = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("tinyvllm:time_to_first_token_seconds", "Time to first token (seconds).", lab,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("tinyvllm:inter_token_latency_seconds",
+                             "Time between successive output chunks of a request, per token (seconds).", lab,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "End-to-end request latency (seconds).",
+                             lab, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prefilled prompt tokens.", lab,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("tinyvllm:generation_tokens", "Generated tokens.", lab,
+                                         registry=r).labels(model_name)
+        self.cached_tokens = Counter("tinyvllm:prompt_tokens_cached",
+                                     "Prompt tokens served from the prefix cache.", lab,
+                                     registry=r).labels(model_name)
+        self._success = Counter("tinyvllm:request_success", "Requests finished, by finish reason.",
+                                lab + ["finished_reason"], registry=r)
+        self.preemptions = Counter("tinyvllm:num_preemptions", "Preemptions (KV cache exhausted).", lab,
+                                   registry=r).labels(model_name)
+        self.prefix_queries = Counter("tinyvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", lab, registry=r).labels(model_name)
+        self.prefix_hits = Counter("tinyvllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   lab, registry=r).labels(model_name)
+        self.running = Gauge("tinyvllm:num_requests_running", "Sequences in the running batch.", lab,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("tinyvllm:num_requests_waiting", "Sequences waiting to be scheduled.", lab,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("tinyvllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lab,
+                              registry=r).labels(model_name)
+        self.kv_used = Gauge("tinyvllm:kv_cache_used_blocks", "KV cache blocks in use.", lab,
+                             registry=r).labels(model_name)
+        self.kv_total = Gauge("tinyvllm:kv_cache_total_blocks", "KV cache blocks in the pool.", lab,
+                              registry=r).labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        self._requests: dict[str, _ReqState] = {}
+        self._last_cumulative: dict[str, float] = {}
+
+    # -------------------------------------------------------------- per request
+    def request_added(self, request_id: str, arrival: float) -> None:
+        self._requests[request_id] = _ReqState(arrival)
+
+    def request_aborted(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def record_output(self, out: RequestOutput, now: float | None = None) -> None:
+        """Account one (delta) output of a request: its new tokens, and TTFT/ITL/E2E timings."""
+        st = self._requests.get(out.request_id)
+        if st is None:
+            return
+        now = time.monotonic() if now is None else now
+        new_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if new_tokens:
+            if st.last_token_time is None:
+                self.ttft.observe(max(0.0, now - st.arrival))
+            else:  # a delta may carry several tokens per sample when the reader lagged
+                per_sample = max(len(c.token_ids) for c in out.outputs)
+                self.itl.observe(max(0.0, now - st.last_token_time) / max(1, per_sample))
+            st.last_token_time = now
+            self.generation_tokens.inc(new_tokens)
+        if not st.counted_prompt and (new_tokens or out.finished):
+            st.counted_prompt = True
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for c in out.outputs:  # in delta mode a sample's finish shows up exactly once
+            if c.finish_reason is not None:
+                self._success.labels(self.model_name, c.finish_reason).inc()
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+            self.cached_tokens.inc(out.num_cached_tokens)
+            self.e2e.observe(max(0.0, now - st.arrival))
+
+    # -------------------------------------------------------------- engine snapshot
+    def update_from_stats(self, stats: Mapping[str, Any]) -> None:
+        """Gauges and cumulative counters from the engine core's stats snapshot."""
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+        self.kv_used.set(used)
+        self.kv_total.set(total)
+        self.kv_usage.set(used / total if total else 0.0)
+        for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits)):
+            value = float(stats.get(key, 0) or 0)
+            delta = value - self._last_cumulative.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta)
+            self._last_cumulative[key] = max(value, self._last_cumulative.get(key, 0.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
