@@ -31,6 +31,28 @@ inline float to_f<c10::BFloat16>(c10::BFloat16 x) {
   return f;
 }
 
+// exp(x) for x <= 0 (softmax weights): Cephes-style range reduction x = n ln2 + r and a degree-6
+// polynomial, ~2 ulp. Plain arithmetic, so the compiler vectorises the loop that calls it and every
+// element gets bit-identical results whether it lands in a vector lane or not (batch invariance).
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
 // Dot product of a float query and a cache row with a fixed summation order.
 template <typename T>
 inline float dot(const float* q, const T* k, int d) {
@@ -90,11 +112,9 @@ void attention_impl(const torch::Tensor& q,            // [T, Hq, D] float32
         float* s = scores.data() + g * ctx;
         float m = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < ctx; ++j) m = s[j] > m ? s[j] : m;
+        for (int64_t j = 0; j < ctx; ++j) s[j] = exp_nonpos(s[j] - m);
         float sum = 0.0f;
-        for (int64_t j = 0; j < ctx; ++j) {
-          s[j] = std::exp(s[j] - m);
-          sum += s[j];
-        }
+        for (int64_t j = 0; j < ctx; ++j) sum += s[j];
         const float inv = 1.0f / sum;
         float* a = acc.data() + g * D;
         for (int64_t j = 0; j < ctx; ++j) {
