@@ -47,11 +47,13 @@ def cpu_kernel():
         src = Path(__file__).with_name("cpu_kernel.cpp")
         import hashlib
 
-        tag = hashlib.sha256(src.read_bytes()).hexdigest()[:10]
+        cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+        tag = hashlib.sha256(src.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
         build = cache_root() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(src)],
-                       extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], build_directory=str(build), verbose=False)
+                       extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja...
         logger.warning("C++ paged attention kernel unavailable (%s); using the PyTorch float64 path", e)
         _KERNEL = None
