@@ -183,6 +183,34 @@ def plot_agent_turns(result: dict[str, Any], path: str) -> str:
     return _save(fig, path)
 
 
+def plot_agent_comparison(results: list[dict[str, Any]], labels: list[str], path: str) -> str:
+    """Agent workload under several configurations (e.g. prefix caching on/off): mean TTFT per
+    turn, and per turn the prefill tokens computed (prompt - cached) vs served from the cache."""
+    fig, axes = _figure(1, 2, (13, 4.5))
+    a, b = axes[0]
+    width = 0.8 / max(1, len(results))
+    for i, (res, label) in enumerate(zip(results, labels)):
+        turns = res.get("per_turn") or []
+        x = [t["turn"] for t in turns]
+        a.plot(x, [t["mean_ttft_ms"] / 1000 for t in turns], "o-", label=label)
+        prompt = np.array([t["mean_prompt_tokens"] or 0 for t in turns], dtype=float)
+        cached = np.array([t["mean_cached_tokens"] or 0 for t in turns], dtype=float)
+        xs = np.arange(len(turns)) + (i - (len(results) - 1) / 2) * width
+        b.bar(xs, prompt - cached, width, label=f"{label}: computed")
+        b.bar(xs, cached, width, bottom=prompt - cached, alpha=0.35, label=f"{label}: from cache")
+    a.set_xlabel("turn")
+    a.set_ylabel("mean TTFT (s)")
+    a.set_title("TTFT per turn")
+    a.grid(alpha=0.3)
+    a.legend()
+    b.set_xlabel("turn")
+    b.set_ylabel("prompt tokens per request (mean)")
+    b.set_title("prefill tokens computed vs served from cache")
+    b.grid(alpha=0.3, axis="y")
+    b.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def save_plots(result: dict[str, Any], stem: str) -> list[str]:
     """Write ``<stem>_latency.png`` (+ ``<stem>_agent_turns.png``)."""
     paths = [plot_latency(result, stem + "_latency.png")]
