@@ -41,16 +41,22 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, 
     rng = random.Random(seed + 1)
     lens = [output_len if min_output_len is None else rng.randint(min_output_len, output_len) for _ in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    before = llm.stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
+    after = llm.stats()
+    steps = after["num_steps"] - before["num_steps"]
+    decode_tokens = after["decode_tokens"] - before["decode_tokens"]
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     return {
         "num_prompts": num_prompts, "input_len": input_len, "output_len": output_len,
         "elapsed_s": elapsed, "requests_per_s": num_prompts / elapsed,
         "output_tokens_per_s": out_tokens / elapsed, "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-        "min_output_len": min_output_len, "engine_stats": llm.stats(),
+        "min_output_len": min_output_len, "engine_stats": after, "num_steps": steps,
+        # Mean sequences decoding per step: static batching leaves slots idle while a batch drains.
+        "mean_decode_batch": decode_tokens / steps if steps else 0.0,
     }
 
 
@@ -63,9 +69,11 @@ def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
     res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset_seed,
                          args.min_output_len)
     res["engine"] = {k: v for k, v in engine_kwargs.items()}
-    print(f"{'requests':>10} {'in':>6} {'out':>6} {'elapsed s':>10} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10}")
+    print(f"{'requests':>10} {'in':>6} {'out':>6} {'elapsed s':>10} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10}"
+          f" {'steps':>6} {'seqs/step':>9}")
     print(f"{res['num_prompts']:>10} {res['input_len']:>6} {res['output_len']:>6} {res['elapsed_s']:>10.2f} "
-          f"{res['requests_per_s']:>8.2f} {res['output_tokens_per_s']:>10.1f} {res['total_tokens_per_s']:>10.1f}")
+          f"{res['requests_per_s']:>8.2f} {res['output_tokens_per_s']:>10.1f} {res['total_tokens_per_s']:>10.1f}"
+          f" {res['num_steps']:>6} {res['mean_decode_batch']:>9.2f}")
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result_file).write_text(json.dumps(res, indent=2, default=str))
