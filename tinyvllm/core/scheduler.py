@@ -13,7 +13,6 @@ from prompt + output so far (vLLM's recompute preemption).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -232,7 +231,6 @@ class Scheduler:
             requests that got a new token or finished this step (in schedule order).
         """
         touched = []
-        now = time.monotonic()  # noqa: F841  (kept for future per-step timing)
         for s in out.scheduled:
             req = s.request
             if req.status.is_finished:  # aborted mid-step
