@@ -146,7 +146,9 @@ class AttentionMetadata:
 
         dec = [i for i, q in enumerate(query_lens) if q == 1]
         pre = [i for i, q in enumerate(query_lens) if q > 1]
-        if dec:
+        # Padded gather indices serve only the PyTorch fallback; the C++ kernel reads the block table.
+        fallback = cpu_kernel() is None
+        if dec and fallback:
             lmax = max(seq_lens[i] for i in dec)
             idx = torch.tensor(dec, dtype=torch.int64)
             decode_slots = all_slots[idx, :lmax].clone()
@@ -158,7 +160,7 @@ class AttentionMetadata:
             decode_slots = torch.zeros(0, 1, dtype=torch.int64)
             decode_mask = torch.zeros(0, 1, dtype=torch.bool)
             decode_token_idx = torch.zeros(0, dtype=torch.int64)
-        prefill_slots = [all_slots[i, : seq_lens[i]].clone() for i in pre]
+        prefill_slots = [all_slots[i, : seq_lens[i]].clone() for i in pre] if fallback else []
         token_seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens, dtype=torch.int64))
         token_pos = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]) if query_lens \
             else torch.zeros(0, dtype=torch.int64)
@@ -168,11 +170,11 @@ class AttentionMetadata:
             seq_lens=list(seq_lens),
             block_tables=bt.to(device),
             block_size=block_size,
-            decode_seq_ids=dec,
+            decode_seq_ids=dec if fallback else [],
             decode_token_idx=decode_token_idx.to(device),
             decode_slots=decode_slots.to(device),
             decode_mask=decode_mask.to(device),
-            prefill_seq_ids=pre,
+            prefill_seq_ids=pre if fallback else [],
             prefill_slots=[p.to(device) for p in prefill_slots],
             token_seq=token_seq.to(device),
             token_pos=token_pos.to(device),

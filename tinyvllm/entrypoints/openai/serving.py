@@ -172,6 +172,16 @@ class _Choice:
     started: bool = False
 
 
+def _accumulate(ch: _Choice, c: Any) -> None:
+    """Fold one streamed delta (a CompletionOutput in delta mode) into a non-streaming choice."""
+    ch.text += c.text
+    ch.token_ids.extend(c.token_ids)
+    if c.logprobs:
+        ch.logprobs.extend(c.logprobs)
+    if c.finish_reason is not None:
+        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+
+
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -375,13 +385,7 @@ class OpenAIServing:
                 async for pi, out in it:
                     cached[pi] = out.num_cached_tokens
                     for c in out.outputs:
-                        ch = choices[pi * n + c.index]
-                        ch.text += c.text
-                        ch.token_ids.extend(c.token_ids)
-                        if c.logprobs:
-                            ch.logprobs.extend(c.logprobs)
-                        if c.finish_reason is not None:
-                            ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                        _accumulate(choices[pi * n + c.index], c)
         except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
             return exception_response(e)
         finally:
@@ -480,13 +484,7 @@ class OpenAIServing:
             async for out in stream:
                 cached = out.num_cached_tokens
                 for c in out.outputs:
-                    ch = choices[c.index]
-                    ch.text += c.text
-                    ch.token_ids.extend(c.token_ids)
-                    if c.logprobs:
-                        ch.logprobs.extend(c.logprobs)
-                    if c.finish_reason is not None:
-                        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+                    _accumulate(choices[c.index], c)
         except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
             return exception_response(e)
         finally:
