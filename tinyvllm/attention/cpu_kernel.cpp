@@ -1,24 +1,38 @@
-// Paged attention for the CPU: one query row at a time, reading K/V through the block table.
+// CPU kernels: paged attention, RMSNorm (+ residual), SiLU-and-mul, rotary + KV-cache write.
 //
-// Every query row (a decode token or one token of a prefill chunk) is computed by the same
-// fixed-order loop over its own context positions 0..pos, so its result does not depend on
-// the batch, on chunk boundaries, or on whether its prefix came from the prefix cache
-// (batch invariance). Two passes over the context: scores (dot products with a fixed
-// 16-lane partial-sum order), max, exp / sum / weighted sum of V in position order.
-// K/V are read in place from the paged cache (PagedAttention, Kwon et al. SOSP 2023);
-// no padded copy is materialised.
+// Paged attention reads K/V in place from the paged cache through the block table
+// (PagedAttention, Kwon et al. SOSP 2023); no padded copy is materialised. Every query row
+// (a decode token or one token of a prefill chunk) is computed by the same fixed-order
+// sequence of operations over its own context positions 0..pos, so its result does not
+// depend on the batch, on chunk boundaries, or on whether its prefix came from the prefix
+// cache (batch invariance). Two passes over the context: scores, then max / exp / sum and
+// the weighted sum of V in position order.
+//
+// Two implementations: AVX-512 (attention_avx512, silu's vector body; chosen when the
+// compiler targets AVX-512 and the head size is 16/32/64/96/128) and portable scalar loops
+// (attention_scalar; also what set_vector_kernels(false) selects, for tests). They differ in
+// the last bits from each other, but each is batch invariant on its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TINYVLLM_AVX512 1
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;
+
+// Whether the AVX-512 kernels may run (tests switch them off to check the portable path).
+bool g_vector_kernels = true;
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -68,14 +82,14 @@ inline float dot(const float* q, const T* k, int d) {
   return lanes[0];
 }
 
-template <typename C>
-void attention_impl(const torch::Tensor& q,            // [T, Hq, D] float32
+template <typename C, typename O>
+void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
                     const torch::Tensor& key_cache,    // [num_blocks, bs, Hk, D]
                     const torch::Tensor& value_cache,  // [num_blocks, bs, Hk, D]
                     const torch::Tensor& block_tables, // [S, max_blocks] int64
                     const torch::Tensor& token_seq,    // [T] int64
                     const torch::Tensor& token_pos,    // [T] int64
-                    double scale, torch::Tensor& out) {  // [T, Hq, D] float32
+                    double scale, torch::Tensor& out) {  // [T, Hq, D] float32 or C
   const int64_t num_tokens = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk;
@@ -86,7 +100,7 @@ void attention_impl(const torch::Tensor& q,            // [T, Hq, D] float32
   const int64_t* btp = block_tables.data_ptr<int64_t>();
   const int64_t* seqp = token_seq.data_ptr<int64_t>();
   const int64_t* posp = token_pos.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  O* op = out.data_ptr<O>();
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_tokens * Hk, 1, [&](int64_t begin, int64_t end) {
@@ -123,11 +137,309 @@ void attention_impl(const torch::Tensor& q,            // [T, Hq, D] float32
           const float p = s[j];
           for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vrow[d]);
         }
-        float* orow = op + (t * Hq + hk * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = a[d] * inv;
+        O* orow = op + (t * Hq + hk * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<O>(a[d] * inv);
       }
     }
   });
+}
+
+#if defined(TINYVLLM_AVX512)
+// ---------------------------------------------------------------------------------------------
+// AVX-512 paged attention. Same algorithm and the same per-row guarantee as attention_scalar
+// (each query row's result is a fixed sequence of operations over its own context, so it does
+// not depend on the batch, chunking or prefix-cache hits), but vectorised:
+//  * a work item is (tile of up to kTileRows consecutive query rows of one sequence, KV head);
+//    each K/V row is converted to float32 once per item and reused by every query row of the
+//    tile and every query head of the GQA group (the rows never mix: only the loads are shared);
+//  * scores for 16 positions come from 16 per-position lane vectors (q*k, D/16 FMAs each) folded
+//    by one fixed transpose-and-add network (hsum16), instead of 16 separate horizontal sums;
+//  * softmax uses a vectorised polynomial exp; P*V accumulates in position order with FMAs.
+
+constexpr int kTileRows = 8;
+constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector kernel
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Round 16 floats to bfloat16 with round-to-nearest-even (c10::BFloat16's rule, NaN aside).
+inline __m256i to_bf16_bits(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x));
+}
+inline __m512 round16(float*, __m512 x) { return x; }
+inline __m512 round16(c10::BFloat16*, __m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(x)), 16));
+}
+
+// out[i] = sum of the 16 lanes of v[i], for i = 0..15, by a fixed add tree:
+// lanes {l, l+2} then {l, l+1} within each 128-bit group, then across groups (0+1, 2+3, then pairs).
+inline __m512 hsum16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Fixed-order sum of the 16 lanes of one vector (pairwise halves).
+inline float hsum(__m512 v) {
+  alignas(64) float l[16];
+  _mm512_store_ps(l, v);
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) l[i] += l[i + w];
+  return l[0];
+}
+
+// exp(x) lane-wise for x in [-87.3, 88.3] (clamped): Cephes range reduction x = n ln2 + r and a
+// degree-6 polynomial (the scalar exp_nonpos's coefficients), ~2 ulp.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
+  // 2^n by building the exponent field: n in [-126, 127] for the clamped range.
+  const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+}
+
+// Partial dot products of one query with one context row: 16 lanes whose sum is q . k.
+// bf16 cache with AVX512_BF16 and an even number of 16-wide groups: vdpbf16ps on the raw cache row
+// (the query is bf16-exact: it was rounded to the model dtype after rotary); otherwise float32 FMAs.
+template <typename C, int ND>
+struct QueryRow {
+  __m512 q[ND];
+  void load(const float* p) {
+    for (int v = 0; v < ND; ++v) q[v] = _mm512_loadu_ps(p + v * 16);
+  }
+  __m512 dot(const C* row) const {
+    __m512 a = _mm512_mul_ps(q[0], load16(row));
+    for (int v = 1; v < ND; ++v) a = _mm512_fmadd_ps(q[v], load16(row + v * 16), a);
+    return a;
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int ND>
+struct QueryRowBf16 {
+  __m512bh q[ND / 2];
+  void load(const float* p) {
+    // cvtne2ps(hi, lo): element pairs (2i, 2i+1) line up with the cache row's bf16 pairs.
+    for (int v = 0; v < ND / 2; ++v) q[v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + v * 32 + 16), _mm512_loadu_ps(p + v * 32));
+  }
+  __m512 dot(const c10::BFloat16* row) const {
+    __m512 a = _mm512_setzero_ps();
+    for (int v = 0; v < ND / 2; ++v)
+      a = _mm512_dpbf16_ps(a, q[v], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(row + v * 32)));
+    return a;
+  }
+};
+template <>
+struct QueryRow<c10::BFloat16, 2> : QueryRowBf16<2> {};
+template <>
+struct QueryRow<c10::BFloat16, 4> : QueryRowBf16<4> {};
+template <>
+struct QueryRow<c10::BFloat16, 6> : QueryRowBf16<6> {};
+template <>
+struct QueryRow<c10::BFloat16, 8> : QueryRowBf16<8> {};
+#endif
+
+// sum_j probs[h][j] * V[j] for j = 0..n-1 in position order, for NH heads sharing one KV head;
+// each V row is converted once. res: [NH, D] float32.
+template <typename C, int ND, int NH>
+inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
+                          int64_t hk, int64_t n, float* res) {
+  constexpr int D = ND * 16;
+  __m512 acc[NH][ND];
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_setzero_ps();
+  int64_t blk = 0, off = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
+    if (++off == bs) off = 0, ++blk;
+    __m512 vv[ND];
+    for (int v = 0; v < ND; ++v) vv[v] = load16(row + v * 16);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 pj = _mm512_set1_ps(probs[h][j]);
+      for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_fmadd_ps(pj, vv[v], acc[h][v]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < ND; ++v) _mm512_store_ps(res + h * D + v * 16, acc[h][v]);
+}
+
+template <typename C, typename O, int ND>
+void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                      const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                      const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+  constexpr int D = ND * 16;
+  const int64_t num_tokens = q.size(0), Hq = q.size(1);
+  const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
+  const int64_t G = Hq / Hk;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const C* kp = key_cache.data_ptr<C>();
+  const C* vp = value_cache.data_ptr<C>();
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* seqp = token_seq.data_ptr<int64_t>();
+  const int64_t* posp = token_pos.data_ptr<int64_t>();
+  O* op = out.data_ptr<O>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  alignas(64) static const C zero_row[D] = {};
+
+  // Tiles: runs of up to kTileRows tokens of one sequence at consecutive positions.
+  std::vector<int64_t> tile_start;
+  for (int64_t t = 0; t < num_tokens;) {
+    tile_start.push_back(t);
+    int64_t e = t + 1;
+    while (e < num_tokens && e - t < kTileRows && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    t = e;
+  }
+  tile_start.push_back(num_tokens);
+  const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
+
+  at::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / Hk, hk = item % Hk;
+      const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
+      const int64_t* bt = btp + seqp[t0] * max_blocks;
+      const int64_t ctx_max = posp[t0 + rows - 1] + 1;
+      const int64_t nchunks = (ctx_max + 15) / 16;
+      const int64_t stride = nchunks * 16;
+      const int64_t pairs = rows * G;
+      scores.resize(pairs * stride);
+      int64_t ctx[kTileRows * kMaxGroup];
+      const float* qrow[kTileRows * kMaxGroup];
+      for (int64_t p = 0; p < pairs; ++p) {
+        ctx[p] = posp[t0 + p / G] + 1;
+        qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
+      }
+      // Cache rows of context positions j0..j0+15 (a zero row past the context), via the block table.
+      const C* krow[16];
+      const C* vrow[16];
+      auto rows_of = [&](int64_t j0) {
+        int64_t blk = j0 / bs, off = j0 % bs;
+        for (int64_t jj = 0; jj < 16; ++jj) {
+          if (j0 + jj < ctx_max) {
+            const int64_t e = ((bt[blk] * bs + off) * Hk + hk) * D;
+            krow[jj] = kp + e;
+            vrow[jj] = vp + e;
+            if (++off == bs) off = 0, ++blk;
+          } else {
+            krow[jj] = vrow[jj] = zero_row;
+          }
+        }
+      };
+      // Pass 1: scores = (q . k) * scale, 16 positions at a time, per (row, head) pair.
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t j0 = c * 16;
+        rows_of(j0);
+        for (int64_t p = 0; p < pairs; ++p) {
+          if (ctx[p] <= j0) continue;
+          QueryRow<C, ND> qr;
+          qr.load(qrow[p]);
+          __m512 part[16];
+          for (int jj = 0; jj < 16; ++jj) part[jj] = qr.dot(krow[jj]);
+          _mm512_storeu_ps(scores.data() + p * stride + j0, _mm512_mul_ps(hsum16(part), vscale));
+        }
+      }
+      // Softmax per pair: max, exp, fixed-order sum; probabilities overwrite the scores.
+      float inv[kTileRows * kMaxGroup];
+      for (int64_t p = 0; p < pairs; ++p) {
+        float* s = scores.data() + p * stride;
+        const int64_t n = ctx[p];
+        const int64_t full = n / 16, tail = n % 16;
+        const __mmask16 tmask = static_cast<__mmask16>((1u << tail) - 1u);
+        __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t c = 0; c < full; ++c) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + c * 16));
+        if (tail) mv = _mm512_mask_max_ps(mv, tmask, mv, _mm512_loadu_ps(s + full * 16));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
+          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), m));
+          if (c == full) e = _mm512_maskz_mov_ps(tmask, e);
+          _mm512_storeu_ps(s + c * 16, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        inv[p] = 1.0f / hsum(sum);
+      }
+      // Pass 2: weighted sum of V in position order, per row, up to 4 heads of the GQA group at a
+      // time sharing each converted V row.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = ctx[r * G];
+        for (int64_t h0 = 0; h0 < G; h0 += 4) {
+          const int nh = static_cast<int>(std::min<int64_t>(4, G - h0));
+          const float* probs[4];
+          float* outs[4];
+          __m512 iv[4];
+          for (int i = 0; i < nh; ++i) {
+            const int64_t p = r * G + h0 + i;
+            probs[i] = scores.data() + p * stride;
+            iv[i] = _mm512_set1_ps(inv[p]);
+          }
+          alignas(64) float res[4 * D];
+          switch (nh) {
+            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res); break;
+          }
+          for (int i = 0; i < nh; ++i) {
+            O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
+            for (int v = 0; v < ND; ++v) store16(orow + v * 16, _mm512_mul_ps(_mm512_load_ps(res + i * D + v * 16), iv[i]));
+          }
+        }
+      }
+    }
+  });
+}
+#endif  // TINYVLLM_AVX512
+
+// Paged attention over the packed batch: the AVX-512 kernel when the head size allows it.
+template <typename C, typename O>
+void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                    const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+#if defined(TINYVLLM_AVX512)
+  if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup) {
+    switch (q.size(2)) {
+      case 16: return attention_avx512<C, O, 1>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 32: return attention_avx512<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 64: return attention_avx512<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 96: return attention_avx512<C, O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 128: return attention_avx512<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      default: break;
+    }
+  }
+#endif
+  attention_scalar<C, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
 }
 
 }  // namespace
@@ -142,9 +454,9 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torc
   block_tables = block_tables.contiguous();
   auto out = torch::empty_like(q);
   if (key_cache.scalar_type() == torch::kBFloat16) {
-    attention_impl<c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_impl<c10::BFloat16, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
   } else if (key_cache.scalar_type() == torch::kFloat32) {
-    attention_impl<float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
   } else {
     TORCH_CHECK(false, "unsupported KV cache dtype");
   }
@@ -203,7 +515,19 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
     for (int64_t t = begin; t < end; ++t) {
       const C* g = xp + t * 2 * I;
       const C* u = g + I;
-      for (int64_t i = 0; i < I; ++i) {
+      int64_t i = 0;
+#if defined(TINYVLLM_AVX512)
+      // Element i always takes the same path (vector body or scalar tail), whatever the batch.
+      if (g_vector_kernels) {
+        for (; i + 16 <= I; i += 16) {
+          const __m512 gv = load16(g + i);
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+          const __m512 silu = round16(op, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+          store16(op + t * I + i, _mm512_mul_ps(silu, load16(u + i)));
+        }
+      }
+#endif
+      for (; i < I; ++i) {
         const float gv = to_f(g[i]);
         const float silu = round_to<C>(gv / (1.0f + std::exp(-gv)));
         op[t * I + i] = from_f<C>(silu * to_f(u[i]));
@@ -296,23 +620,32 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
   auto key_cache = kv_cache.select(0, 0);
   auto value_cache = kv_cache.select(0, 1);
   auto q = torch::empty({T, Hq, D}, qkv.options().dtype(torch::kFloat32));
-  auto out = torch::empty({T, Hq, D}, q.options());
+  auto out = torch::empty({T, Hq, D}, qkv.options());
   block_tables = block_tables.contiguous();
   if (qkv.scalar_type() == torch::kBFloat16) {
     rope_and_cache_impl<c10::BFloat16>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-    attention_impl<c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    attention_impl<c10::BFloat16, c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
   } else if (qkv.scalar_type() == torch::kFloat32) {
     rope_and_cache_impl<float>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-    attention_impl<float>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }
-  return out.view({T, Hq * D}).to(qkv.scalar_type());
+  return out.view({T, Hq * D});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU)");
   m.def("rms_norm", &rms_norm_cpu, "RMSNorm with optional fused residual add -> (out, residual)");
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
+  m.def("set_vector_kernels", [](bool on) { g_vector_kernels = on; },
+        "use the AVX-512 kernels where built (default) or the portable scalar loops (tests)");
+  m.def("has_avx512", []() {
+#if defined(TINYVLLM_AVX512)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the AVX-512 kernels were compiled in");
   m.def("rope_cache_attention", &rope_cache_attention_cpu, "rotary + KV write + paged attention");
 }

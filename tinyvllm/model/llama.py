@@ -234,12 +234,47 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             [T, hidden] final hidden states (after the last RMSNorm).
         """
-        x = self.embed_tokens(input_ids)
         rope = RopeInputs(self.rotary, positions)
+        if rope.kernel is not None and md.token_seq is not None and input_ids.device.type == "cpu" \
+                and self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32):
+            return self._forward_cpu(rope, input_ids, kv_caches, md)
+        x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(rope, x, residual, kv, md)
         return self.norm(x, residual)[0]
+
+    def _cpu_plan(self) -> list[tuple]:
+        """Per layer, the tensors the fused C++ path needs (built once; weights are shared, not copied)."""
+        if getattr(self, "_plan", None) is None:
+            plan = []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                plan.append((layer.input_layernorm.weight, layer.input_layernorm.eps,
+                             a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                             m.gate_up_proj.weight, m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias))
+            self._plan = plan
+        return self._plan
+
+    def _forward_cpu(self, rope: RopeInputs, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
+                     md: AttentionMetadata) -> torch.Tensor:
+        """The same computation as the module path (same kernels, same order), as one flat loop over
+        the layers' tensors: no ``nn.Module`` dispatch, ~10 calls per layer."""
+        kern = rope.kernel
+        cfg = self.config
+        hq, hk, scale = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5
+        lin = batch_invariant_linear
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        residual = None
+        cos, sin, pos = rope.cos_table, rope.sin_table, rope.positions
+        for (ln1, eps1, wqkv, bqkv, wo, bo, ln2, eps2, wgu, bgu, wd, bd), kv in zip(self._cpu_plan(), kv_caches):
+            h, residual = kern.rms_norm(x, residual, ln1, eps1)
+            o = kern.rope_cache_attention(lin(h, wqkv, bqkv), cos, sin, pos, kv, md.slot_mapping, md.block_tables,
+                                          md.token_seq, hq, hk, scale)
+            h, residual = kern.rms_norm(lin(o, wo, bo), residual, ln2, eps2)
+            x = lin(kern.silu_and_mul(lin(h, wgu, bgu)), wd, bd)
+        return kern.rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
@@ -254,6 +289,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: an unexpected tensor name or shape, or missing tensors.
         """
+        self._plan = None
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         cfg = self.config
