@@ -110,3 +110,29 @@ def test_silu_and_mul_matches_reference(path, dtype):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         else:  # one bf16 ulp at most (the exp differs from float64 in the last float32 bits)
             torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 72, 10])
+def test_rms_norm_matches_reference_and_paths_agree(dtype, hidden):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, hidden, generator=g).to(dtype)
+    res = torch.randn(7, hidden, generator=g).to(dtype)
+    w = (1 + torch.randn(hidden, generator=g) * 0.1).to(dtype)
+    outs = {}
+    for path in PATHS:
+        KERN.set_vector_kernels(path == "vector")
+        try:
+            outs[path] = KERN.rms_norm(x, res, w, 1e-5) + KERN.rms_norm(x, None, w, 1e-5)
+        finally:
+            KERN.set_vector_kernels(True)
+    s = (x + res).to(dtype)  # the residual add happens in the model dtype
+    for got, h in ((outs["scalar"][:2], s), (outs["scalar"][2:], x)):
+        hf = h.double()
+        ref = (w.double() * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double()).to(dtype)
+        assert torch.equal(got[1], h)
+        torch.testing.assert_close(got[0].double(), ref.double(), rtol=1e-5 if dtype == torch.float32 else 8e-3,
+                                   atol=1e-6)
+    # the vector body does the scalar loops' arithmetic in the same order: identical bits
+    for a, b in zip(outs["scalar"], outs.get("vector", outs["scalar"])):
+        assert torch.equal(a, b)

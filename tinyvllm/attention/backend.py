@@ -48,7 +48,13 @@ def cpu_kernel():
         import hashlib
 
         cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-        tag = hashlib.sha256(src.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
+        # -march=native: the build is only valid on this kind of CPU, so its flags are part of the key.
+        cpu = ""
+        try:
+            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        except OSError:
+            pass
+        tag = hashlib.sha256(src.read_bytes() + " ".join(cflags).encode() + cpu.encode()).hexdigest()[:10]
         build = cache_root() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(src)],

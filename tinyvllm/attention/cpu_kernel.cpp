@@ -486,21 +486,43 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(H);
     for (int64_t t = begin; t < end; ++t) {
-      float lanes[kLanes] = {0};
-      for (int64_t i = 0; i < H; ++i) {
-        float v = to_f(xp[t * H + i]);
-        if (rp) v = round_to<C>(v + to_f(rp[t * H + i]));  // residual add in the model dtype
-        h[i] = v;
-        rop[t * H + i] = from_f<C>(v);
-      }
+      alignas(64) float lanes[kLanes] = {0};
       int64_t i = 0;
+#if defined(TINYVLLM_AVX512)
+      // Same arithmetic as the scalar loops below (mul then add, lane l takes elements l mod 16),
+      // so both paths give identical results.
+      if (g_vector_kernels) {
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + kLanes <= H; i += kLanes) {
+          __m512 v = load16(xp + t * H + i);
+          if (rp) v = round16(rop, _mm512_add_ps(v, load16(rp + t * H + i)));
+          _mm512_storeu_ps(h.data() + i, v);
+          store16(rop + t * H + i, v);
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        _mm512_store_ps(lanes, acc);
+      }
+#endif
+      const int64_t vec_end = i;
+      for (int64_t j = i; j < H; ++j) {
+        float v = to_f(xp[t * H + j]);
+        if (rp) v = round_to<C>(v + to_f(rp[t * H + j]));  // residual add in the model dtype
+        h[j] = v;
+        rop[t * H + j] = from_f<C>(v);
+      }
       for (; i + kLanes <= H; i += kLanes)
         for (int l = 0; l < kLanes; ++l) lanes[l] += h[i + l] * h[i + l];
       for (int l = 0; i + l < H; ++l) lanes[l] += h[i + l] * h[i + l];
       for (int w = kLanes / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
       const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + feps);
-      for (int64_t j = 0; j < H; ++j)
+      int64_t j = 0;
+#if defined(TINYVLLM_AVX512)
+      const __m512 vinv = _mm512_set1_ps(inv);
+      for (; j < vec_end; j += kLanes)
+        store16(op + t * H + j, _mm512_mul_ps(load16(wp + j), round16(op, _mm512_mul_ps(_mm512_loadu_ps(h.data() + j), vinv))));
+#endif
+      for (; j < H; ++j)
         op[t * H + j] = from_f<C>(to_f(wp[j]) * round_to<C>(h[j] * inv));
     }
   });
