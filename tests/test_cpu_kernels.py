@@ -136,3 +136,40 @@ def test_rms_norm_matches_reference_and_paths_agree(dtype, hidden):
     # the vector body does the scalar loops' arithmetic in the same order: identical bits
     for a, b in zip(outs["scalar"], outs.get("vector", outs["scalar"])):
         assert torch.equal(a, b)
+
+
+GEMM_SHAPES = [(960, 576), (576, 1536), (100, 96), (48, 64), (17, 7), (130, 1), (200, 333)]
+
+
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_bf16_matches_float_reference(n, k, bias):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    packed = KERN.gemm_pack_bf16(w)
+    for m in (1, 3, 7, 13, 64):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        out = KERN.gemm_bf16(x, packed, n, k, b)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        # fp32 accumulation rounded once to bf16: within a bf16 ulp of the sum's magnitude scale
+        bound = (x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())) * 2 ** -8 + 1e-30
+        assert ((out.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 96), (17, 7)])
+def test_gemm_bf16_rows_are_batch_invariant(n, k):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = KERN.gemm_pack_bf16(w)
+    x = torch.randn(150, k, generator=g).bfloat16()
+    full = KERN.gemm_bf16(x, packed, n, k, b)
+    for m in (1, 2, 5, 6, 7, 12, 13, 31, 64, 97, 149):
+        assert torch.equal(KERN.gemm_bf16(x[:m], packed, n, k, b), full[:m]), f"prefix of {m} rows differs"
+        assert torch.equal(KERN.gemm_bf16(x[-m:], packed, n, k, b), full[-m:]), f"suffix of {m} rows differs"
+    perm = torch.randperm(150, generator=g)
+    assert torch.equal(KERN.gemm_bf16(x[perm], packed, n, k, b), full[perm])
+    for i in (0, 5, 77, 149):
+        assert torch.equal(KERN.gemm_bf16(x[i:i + 1], packed, n, k, b)[0], full[i])

@@ -44,7 +44,7 @@ def cpu_kernel():
 
         from tinyvllm.model.loader import cache_root
 
-        src = Path(__file__).with_name("cpu_kernel.cpp")
+        srcs = [Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp")]
         import hashlib
 
         cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
@@ -54,10 +54,11 @@ def cpu_kernel():
             cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
         except OSError:
             pass
-        tag = hashlib.sha256(src.read_bytes() + " ".join(cflags).encode() + cpu.encode()).hexdigest()[:10]
+        tag = hashlib.sha256(b"".join(f.read_bytes() for f in srcs) + " ".join(cflags).encode()
+                             + cpu.encode()).hexdigest()[:10]
         build = cache_root() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
-        _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(src)],
+        _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(f) for f in srcs],
                        extra_cflags=cflags,
                        extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
     except Exception as e:  # no compiler, no ninja...

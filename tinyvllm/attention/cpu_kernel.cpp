@@ -656,7 +656,15 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
   return out.view({T, Hq * D});
 }
 
+// cpu_gemm.cpp: batch-invariant bf16 linear on packed weights.
+torch::Tensor gemm_pack_bf16(torch::Tensor w);
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
+                        c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
+  m.def("gemm_bf16", &gemm_bf16, "y = x @ W^T (+ bias) in bf16 on packed W, batch invariant", py::arg("x"),
+        py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
   m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU)");
   m.def("rms_norm", &rms_norm_cpu, "RMSNorm with optional fused residual add -> (out, residual)");
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");

@@ -108,9 +108,24 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` computed with :func:`batch_invariant_linear`."""
+    """``nn.Linear`` whose rows do not depend on the batch.
+
+    On the CPU in bfloat16 with the C++ kernels, :meth:`pack` replaces the weight by the packed
+    layout of ``gemm_bf16`` (``cpu_gemm.cpp``: batch invariant by construction, weights streamed
+    once per call); otherwise :func:`batch_invariant_linear` (``F.linear`` with padded rows).
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self, kern: Any) -> None:
+        """Pack the [out, in] bf16 weight for ``kern.gemm_bf16`` and free the unpacked copy."""
+        self.packed = kern.gemm_pack_bf16(self.weight.data.contiguous())
+        self._kern = kern
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
 
 
@@ -217,6 +232,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head_packed: torch.Tensor | None = None  # tied head packed for the CPU GEMM (pack_for_cpu)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -244,16 +260,37 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, kv, md)
         return self.norm(x, residual)[0]
 
+    def pack_for_cpu(self) -> bool:
+        """Pack every linear weight (and the tied LM head) for the batch-invariant bf16 GEMM of
+        ``cpu_gemm.cpp``. Only for bfloat16 weights on the CPU with the C++ kernels built; the
+        unpacked layer weights are freed (the embedding table stays for token lookup).
+
+        Returns:
+            whether the weights were packed.
+        """
+        from tinyvllm.attention.backend import cpu_kernel
+
+        kern = cpu_kernel()
+        w = self.embed_tokens.weight
+        if kern is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or self.lm_head_packed is not None:
+            return False
+        for mod in self.modules():
+            if isinstance(mod, Linear) and mod.packed is None:
+                mod.pack(kern)
+        if self.lm_head is None:
+            self.lm_head_packed = kern.gemm_pack_bf16(w.data.contiguous())
+        self._plan = None
+        return True
+
     def _cpu_plan(self) -> list[tuple]:
         """Per layer, the tensors the fused C++ path needs (built once; weights are shared, not copied)."""
         if getattr(self, "_plan", None) is None:
             plan = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
-                plan.append((layer.input_layernorm.weight, layer.input_layernorm.eps,
-                             a.qkv_proj.weight, a.qkv_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                plan.append((layer.input_layernorm.weight, layer.input_layernorm.eps, a.qkv_proj, a.o_proj,
                              layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                             m.gate_up_proj.weight, m.gate_up_proj.bias, m.down_proj.weight, m.down_proj.bias))
+                             m.gate_up_proj, m.down_proj))
             self._plan = plan
         return self._plan
 
@@ -264,22 +301,27 @@ class LlamaForCausalLM(nn.Module):
         kern = rope.kernel
         cfg = self.config
         hq, hk, scale = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5
-        lin = batch_invariant_linear
         x = F.embedding(input_ids, self.embed_tokens.weight)
         residual = None
         cos, sin, pos = rope.cos_table, rope.sin_table, rope.positions
-        for (ln1, eps1, wqkv, bqkv, wo, bo, ln2, eps2, wgu, bgu, wd, bd), kv in zip(self._cpu_plan(), kv_caches):
+        for (ln1, eps1, qkv_proj, o_proj, ln2, eps2, gate_up_proj, down_proj), kv in zip(self._cpu_plan(), kv_caches):
             h, residual = kern.rms_norm(x, residual, ln1, eps1)
-            o = kern.rope_cache_attention(lin(h, wqkv, bqkv), cos, sin, pos, kv, md.slot_mapping, md.block_tables,
+            o = kern.rope_cache_attention(qkv_proj.forward(h), cos, sin, pos, kv, md.slot_mapping, md.block_tables,
                                           md.token_seq, hq, hk, scale)
-            h, residual = kern.rms_norm(lin(o, wo, bo), residual, ln2, eps2)
-            x = lin(kern.silu_and_mul(lin(h, wgu, bgu)), wd, bd)
+            h, residual = kern.rms_norm(o_proj.forward(o), residual, ln2, eps2)
+            x = down_proj.forward(kern.silu_and_mul(gate_up_proj.forward(h)))
         return kern.rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return batch_invariant_linear(hidden, w).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.lm_head_packed is not None:
+            from tinyvllm.attention.backend import cpu_kernel
+
+            cfg = self.config
+            return cpu_kernel().gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()
+        return batch_invariant_linear(hidden, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this module.
@@ -356,4 +398,5 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
 
     model.load_weights(weights())
     model.eval()
+    model.pack_for_cpu()
     return model
