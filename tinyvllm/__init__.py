@@ -2,11 +2,15 @@
 
 import os as _os
 
-# OpenMP threads that spin while waiting collapse throughput by ~10x as soon as another
-# process (the API server, a test client) wants a core of this 2-core machine: measured
-# 25 ms vs 182 ms per batch-1 decode step. Passive waiting must be chosen before torch
-# loads libgomp, i.e. before any torch import.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# How idle OpenMP threads wait, chosen before torch loads libgomp (i.e. before any torch import).
+# A decode step is ~200 short parallel regions. Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE)
+# pay a futex wake-up per region: 13.1 ms per batch-1 step. Threads that spin forever (ACTIVE)
+# collapse throughput ~10x when another process (the API server, a client) wants a core of a
+# 2-core machine. A bounded spin before sleeping gets both: 7.9 ms per batch-1 step, and over HTTP
+# TPOT 9.0 ms (vs 13.4) and 528 vs 418 output tok/s at concurrency 16 (docs/benchmarks.md).
+# Either variable set by the user wins.
+if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
+    _os.environ["GOMP_SPINCOUNT"] = "100000"
 
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
