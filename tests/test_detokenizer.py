@@ -50,3 +50,17 @@ def test_stop_string_never_partially_sent(tokenizer):
             break
     assert hit == "END OF"
     assert sent == "The answer is 42. "
+
+
+def test_tokenizer_loads_like_autotokenizer(tokenizer):
+    """load_tokenizer picks the declared class directly (no AutoConfig import); same ids and template."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    assert type(ref) is type(tokenizer)
+    for s in ["hello world", " Paris.\n\nThe", "日本語 🎉", "<|im_start|>user\nhi<|im_end|>"]:
+        assert ref(s)["input_ids"] == tokenizer(s)["input_ids"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo?"}]
+    assert ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert (ref.eos_token_id, ref.bos_token_id) == (tokenizer.eos_token_id, tokenizer.bos_token_id)
