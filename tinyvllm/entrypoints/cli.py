@@ -19,7 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="max tokens per sequence (prompt + output)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="max running requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prefixes across requests")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB, 512MiB")
