@@ -33,6 +33,7 @@ constexpr int kLanes = 16;
 
 // Whether the AVX-512 kernels may run (tests switch them off to check the portable path).
 bool g_vector_kernels = true;
+bool g_prefetch = true;
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -272,17 +273,30 @@ struct QueryRow<c10::BFloat16, 8> : QueryRowBf16<8> {};
 
 // sum_j probs[h][j] * V[j] for j = 0..n-1 in position order, for NH heads sharing one KV head;
 // each V row is converted once. res: [NH, D] float32.
+// Prefetch into the caches the cache slot's rows of all KV heads (Hk * D elements, contiguous).
+template <typename C>
+inline void prefetch_slot(const C* base, int64_t slot, int64_t row_elems) {
+  const char* p = reinterpret_cast<const char*>(base + slot * row_elems);
+  for (int64_t b = 0; b < row_elems * static_cast<int64_t>(sizeof(C)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 template <typename C, int ND, int NH>
 inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
-                          int64_t hk, int64_t n, float* res) {
+                          int64_t hk, int64_t n, float* res, bool prefetch) {
   constexpr int D = ND * 16;
+  constexpr int64_t kAhead = 16;  // positions
   __m512 acc[NH][ND];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_setzero_ps();
   int64_t blk = 0, off = 0;
+  int64_t pblk = kAhead / bs, poff = kAhead % bs;
   for (int64_t j = 0; j < n; ++j) {
     const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
     if (++off == bs) off = 0, ++blk;
+    if (prefetch && j + kAhead < n) {
+      prefetch_slot(vp, bt[pblk] * bs + poff, Hk * D);
+      if (++poff == bs) poff = 0, ++pblk;
+    }
     __m512 vv[ND];
     for (int v = 0; v < ND; ++v) vv[v] = load16(row + v * 16);
     for (int h = 0; h < NH; ++h) {
@@ -358,9 +372,22 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
         }
       };
       // Pass 1: scores = (q . k) * scale, 16 positions at a time, per (row, head) pair.
+      // Software prefetch (the block table scatters the context, so the hardware prefetcher restarts
+      // at every block): the first KV head's item fetches the next 16 positions' rows of all heads,
+      // which the other heads' items then find in cache.
+      const bool prefetch = g_prefetch && hk == 0;
+      auto prefetch_chunk = [&](const C* base, int64_t j0) {
+        int64_t blk = j0 / bs, off = j0 % bs;
+        for (int64_t j = j0; j < std::min<int64_t>(j0 + 16, ctx_max); ++j) {
+          prefetch_slot(base, bt[blk] * bs + off, Hk * D);
+          if (++off == bs) off = 0, ++blk;
+        }
+      };
+      if (prefetch) prefetch_chunk(kp, 0);
       for (int64_t c = 0; c < nchunks; ++c) {
         const int64_t j0 = c * 16;
         rows_of(j0);
+        if (prefetch) prefetch_chunk(kp, j0 + 16);
         for (int64_t p = 0; p < pairs; ++p) {
           if (ctx[p] <= j0) continue;
           QueryRow<C, ND> qr;
@@ -405,11 +432,13 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
             iv[i] = _mm512_set1_ps(inv[p]);
           }
           alignas(64) float res[4 * D];
+          const bool pf = prefetch && r == 0 && h0 == 0;
+          if (pf) prefetch_chunk(vp, 0);
           switch (nh) {
-            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
+            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
+            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
+            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
           }
           for (int i = 0; i < nh; ++i) {
             O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
@@ -670,6 +699,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
   m.def("set_vector_kernels", [](bool on) { g_vector_kernels = on; },
         "use the AVX-512 kernels where built (default) or the portable scalar loops (tests)");
+  m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
     return true;
