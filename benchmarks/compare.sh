@@ -28,9 +28,9 @@ for spec in "$@"; do
       --prompt-format token-ids --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --num-prompts "$n" \
       --max-concurrency "$c" --label "$name" --result-file "$OUT/$name-random-c$c.json" --no-plot --disable-tqdm
   done
-  echo "== $name: shared prefix (1024-token prefix, 64 new tokens)"
+  echo "== $name: shared prefix (1024-token prefix + 64 new prompt tokens, 64 output tokens)"
   "$PY" -m tinyvllm.benchmarks.serve --base-url "$url" --model "$model" --dataset shared-prefix \
-    --prefix-len 1024 --suffix-len 16 --output-len 64 --num-groups 1 --num-prompts 8 --max-concurrency 1 \
+    --prefix-len 1024 --suffix-len 64 --output-len 64 --num-groups 1 --num-prompts 8 --max-concurrency 1 \
     --label "$name" --result-file "$OUT/$name-shared-prefix.json" --no-plot --disable-tqdm
 done
 "$PY" - "$OUT" <<'PYEOF'
