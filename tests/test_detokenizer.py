@@ -64,3 +64,26 @@ def test_tokenizer_loads_like_autotokenizer(tokenizer):
     assert ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
         tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert (ref.eos_token_id, ref.bos_token_id) == (tokenizer.eos_token_id, tokenizer.bos_token_id)
+
+
+def test_model_specific_tokenizer_class_goes_through_autotokenizer(tokenizer, tmp_path):
+    """A declared model-specific class (here LlamaTokenizerFast over SmolLM2's byte-level
+    tokenizer.json) must not be loaded directly: AutoTokenizer picks the right backend."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tinyvllm.engine.tokenizer import load_tokenizer
+
+    src = Path(tokenizer.name_or_path)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "config.json":
+            shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "LlamaTokenizerFast"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ours, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Hello world, 日本語 🎉 what's up?"
+    assert ours(text)["input_ids"] == ref(text)["input_ids"] == tokenizer(text)["input_ids"]

@@ -314,6 +314,8 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
   const int64_t Kp = K + (K & 1);
   TORCH_CHECK(packed.numel() == ceil_div(N, kBlockN) * Kp * kBlockN,
               "gemm_bf16: packed size does not match (N, K)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "gemm_bf16: packed must be 64-byte aligned (use the tensor gemm_pack_bf16 returned, not a view)");
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
@@ -349,4 +351,14 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
   gemm_scalar(xp, ldx, M, wp, N, Kp, op, bias_ptr);
 #endif
   return out.view(out_shape);
+}
+
+// Whether gemm_bf16 runs the AVX512-BF16 kernel. Without it the portable loop is correct and batch
+// invariant but ~100x slower than oneDNN at large M, so callers should not pack weights then.
+bool gemm_has_bf16_kernel() {
+#if defined(TINYVLLM_GEMM_AVX512BF16)
+  return true;
+#else
+  return false;
+#endif
 }

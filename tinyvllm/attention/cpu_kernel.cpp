@@ -170,8 +170,10 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m256i to_bf16_bits(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  // NaN -> 0x7FC0 (c10's quiet NaN); rounding could otherwise turn a NaN into Inf or -0.
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
 }
 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 inline void store16(c10::BFloat16* p, __m512 x) {
@@ -687,10 +689,13 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
 
 // cpu_gemm.cpp: batch-invariant bf16 linear on packed weights.
 torch::Tensor gemm_pack_bf16(torch::Tensor w);
+bool gemm_has_bf16_kernel();
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
+        "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
   m.def("gemm_bf16", &gemm_bf16, "y = x @ W^T (+ bias) in bf16 on packed W, batch invariant", py::arg("x"),
         py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());

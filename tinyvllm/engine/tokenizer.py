@@ -14,21 +14,31 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
     Raises:
         ValueError: the directory has no usable tokenizer files.
     """
-    try:
-        cls = _declared_tokenizer_class(Path(model_dir))
-        if cls is not None:
+    cls = _declared_tokenizer_class(Path(model_dir))
+    if cls is not None:
+        try:
             return cls.from_pretrained(str(model_dir))
+        except Exception:  # pragma: no cover - let AutoTokenizer decide (and report)
+            pass
+    try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # pragma: no cover - depends on the directory
         raise ValueError(f"cannot load a tokenizer from {str(model_dir)!r}: {e}") from e
 
 
+# Classes that only wrap ``tokenizer.json`` (no model-specific pre-tokenizer logic), so loading
+# them directly gives what AutoTokenizer gives. Model-specific classes go through AutoTokenizer,
+# which may deliberately load a different class (e.g. a declared LlamaTokenizerFast over a
+# byte-level tokenizer.json becomes TokenizersBackend in transformers 5).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def _declared_tokenizer_class(model_dir: Path) -> Any:
-    """The class named by ``tokenizer_config.json`` (None if absent or unknown).
+    """The generic tokenizer class named by ``tokenizer_config.json``, or None (then AutoTokenizer).
 
     ``AutoTokenizer`` would first load the model's config through ``AutoConfig``, which imports the
-    whole ``transformers.models.<arch>`` package (1.5 s of the server's start-up, measured); the
-    tokenizer itself only needs its own class.
+    whole ``transformers.models.<arch>`` package (1.5 s of the server's start-up, measured); a
+    generic tokenizer only needs its own class.
     """
     import json
 
@@ -38,9 +48,9 @@ def _declared_tokenizer_class(model_dir: Path) -> Any:
         name = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         return None
-    if not isinstance(name, str):
+    if name not in _GENERIC_TOKENIZER_CLASSES:
         return None
-    return tokenizer_class_from_name(name) or tokenizer_class_from_name(name + "Fast")
+    return tokenizer_class_from_name(name)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any = None) -> list[int]:

@@ -262,17 +262,21 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> bool:
         """Pack every linear weight (and the tied LM head) for the batch-invariant bf16 GEMM of
-        ``cpu_gemm.cpp``. Only for bfloat16 weights on the CPU with the C++ kernels built; the
-        unpacked layer weights are freed (the embedding table stays for token lookup).
+        ``cpu_gemm.cpp``. Only for bfloat16 weights on the CPU, with the C++ kernels built for
+        AVX512-BF16. The unpacked layer weights are freed (the embedding table stays for token
+        lookup; a tied head therefore costs vocab x hidden x 2 bytes more), so ``state_dict()``
+        shows empty layer weights and :meth:`load_weights` refuses to run afterwards.
 
         Returns:
             whether the weights were packed.
         """
+        w = self.embed_tokens.weight
+        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or self.lm_head_packed is not None:
+            return False
         from tinyvllm.attention.backend import cpu_kernel
 
         kern = cpu_kernel()
-        w = self.embed_tokens.weight
-        if kern is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or self.lm_head_packed is not None:
+        if kern is None or not kern.gemm_has_bf16_kernel():  # the portable GEMM loop is far slower than oneDNN
             return False
         for mod in self.modules():
             if isinstance(mod, Linear) and mod.packed is None:
@@ -330,7 +334,11 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: an unexpected tensor name or shape, or missing tensors.
+            RuntimeError: the weights were already packed by :meth:`pack_for_cpu`.
         """
+        if self.lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None
+                                                   for m in self.modules()):
+            raise RuntimeError("weights are packed for the CPU GEMM (pack_for_cpu); build a new model to load weights")
         self._plan = None
         params = dict(self.named_parameters())
         loaded: set[str] = set()
