@@ -51,7 +51,7 @@ def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0):
         token_seq += [i] * n
         token_pos += list(range(c, L))
         # reference: causal over the whole context, float64
-        scores = torch.einsum("qhd,lhd->hql", q.double().view(n, hk, hq // hk, d).reshape(n, hq, d),
+        scores = torch.einsum("qhd,lhd->hql", q.double(),
                               k.double().repeat_interleave(hq // hk, dim=1)) * d ** -0.5
         mask = torch.arange(L)[None, :] <= torch.arange(c, L)[:, None]
         scores = scores.masked_fill(~mask[None], float("-inf"))

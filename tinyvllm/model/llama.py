@@ -164,14 +164,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: "RopeInputs", x: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
+        # (On the CPU with the C++ kernels, LlamaForCausalLM._forward_cpu runs instead of this.)
         T = x.shape[0]
         qkv = self.qkv_proj(x)
-        if rope.kernel is not None and md.token_seq is not None:
-            # Fused C++ path: rotary, KV-cache write and paged attention in one call.
-            o = rope.kernel.rope_cache_attention(qkv, rope.cos_table, rope.sin_table, rope.positions, kv_cache,
-                                                 md.slot_mapping, md.block_tables, md.token_seq,
-                                                 self.num_heads, self.num_kv_heads, self.scale)
-            return self.o_proj(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
@@ -233,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head_packed: torch.Tensor | None = None  # tied head packed for the CPU GEMM (pack_for_cpu)
+        self._kern: Any = None  # the C++ kernels module, once pack_for_cpu packed the weights
+        self._plan: list[tuple] | None = None  # per-layer modules/tensors of _forward_cpu, built on first use
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -283,12 +280,12 @@ class LlamaForCausalLM(nn.Module):
                 mod.pack(kern)
         if self.lm_head is None:
             self.lm_head_packed = kern.gemm_pack_bf16(w.data.contiguous())
-        self._plan = None
+        self._kern = kern
         return True
 
     def _cpu_plan(self) -> list[tuple]:
-        """Per layer, the tensors the fused C++ path needs (built once; weights are shared, not copied)."""
-        if getattr(self, "_plan", None) is None:
+        """Per layer, the modules and norm weights the fused C++ path needs (built once; nothing copied)."""
+        if self._plan is None:
             plan = []
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
@@ -321,10 +318,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.lm_head_packed is not None:
-            from tinyvllm.attention.backend import cpu_kernel
-
             cfg = self.config
-            return cpu_kernel().gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()
+            return self._kern.gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()
         return batch_invariant_linear(hidden, self.embed_tokens.weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -339,7 +334,6 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None
                                                    for m in self.modules()):
             raise RuntimeError("weights are packed for the CPU GEMM (pack_for_cpu); build a new model to load weights")
-        self._plan = None
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         cfg = self.config

@@ -396,11 +396,11 @@ class OpenAIServing:
             pi = idx // n
             text = ch.text
             lp = None
-            if req.echo:
-                text = self._prompt_text(prompts, pi) + text
+            prompt_text = self._prompt_text(prompts, pi) if req.echo else ""
+            text = prompt_text + text
             if params.logprobs is not None:
                 if req.echo:
-                    ch.text_offset = len(self._prompt_text(prompts, pi))
+                    ch.text_offset = len(prompt_text)
                 lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch)
             out_choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
                                 "stop_reason": ch.stop_reason})
