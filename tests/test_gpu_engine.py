@@ -30,6 +30,7 @@ if not HAS_CUDA:
 from tiny_models import make_tiny_llama  # noqa: E402
 
 from tinyvllm import SamplingParams  # noqa: E402
+from tinyvllm.model.dummy import save_word_level_tokenizer  # noqa: E402
 
 VOCAB = 128
 
@@ -48,23 +49,11 @@ def _triton_kernels(interpret: bool):
     return tk
 
 
-def _save_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over ``w3 .. w127`` (+ ``<unk>``, ``<s>``, ``</s>``), saved beside the weights."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(str(path))
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama_gpu")
     make_tiny_llama(path, vocab=VOCAB, hidden=64, layers=2, num_heads=4, num_kv_heads=2)
-    _save_tokenizer(path)
+    save_word_level_tokenizer(path, VOCAB)
     return path
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+LOAD_FORMATS = ("auto", "dummy")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -111,6 +112,9 @@ class ModelConfig:
             (:func:`resolve_device`).
         enforce_eager: never capture CUDA graphs (vLLM's flag); CUDA graphs of the
             decode step are used only on CUDA.
+        load_format: ``auto`` (read the ``*.safetensors`` weights) or ``dummy``
+            (vLLM's flag: seeded random weights of the shapes ``config.json`` gives;
+            the directory needs no weight files; for benchmarks of a model's shape).
     """
 
     model: str = DEFAULT_MODEL
@@ -119,9 +123,12 @@ class ModelConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if not _DEVICE_RE.fullmatch(str(self.device)):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

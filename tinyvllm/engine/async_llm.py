@@ -168,7 +168,7 @@ class AsyncLLM:
         self.config = config
         self.log_level = log_level
         self.start_timeout = start_timeout
-        self.resolved = resolve_model(config.model_config.model)
+        self.resolved = resolve_model(config.model_config.model, config.model_config.load_format)
         self.tokenizer = load_tokenizer(self.resolved.model_dir)
         self.model_name = served_model_name or self.resolved.served_name
         self.processor = OutputProcessor(self.tokenizer)

@@ -75,14 +75,17 @@ class EngineCore:
         mc, cc = config.model_config, config.cache_config
         self.device = resolve_device(mc.device)  # "auto" -> cuda if available, else cpu
         mc.device = str(self.device)
-        self.resolved = resolved or resolve_model(mc.model)
+        self.resolved = resolved or resolve_model(mc.model, mc.load_format)
         torch.manual_seed(mc.seed)
         threads = int(os.environ.get("TINYVLLM_NUM_THREADS", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
-        self.model = model if model is not None else load_model(self.resolved.model_dir, self.dtype, self.device)
+        if model is None:
+            model = load_model(self.resolved.model_dir, self.dtype, self.device, load_format=mc.load_format,
+                               seed=mc.seed)
+        self.model = model
         model_device = next(self.model.parameters()).device
         if model_device.type != self.device.type:
             raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {self.device}")

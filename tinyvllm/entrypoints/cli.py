@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly (no CUDA-graph capture of the decode step)")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="auto: read the model's weights; dummy: seeded random weights of the shapes in config.json "
+                        "(a directory with config.json and tokenizer files is enough; for benchmarks)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -38,7 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks, scheduling_policy=args.scheduling_policy, seed=args.seed,
-        device=args.device, enforce_eager=args.enforce_eager,
+        device=args.device, enforce_eager=args.enforce_eager, load_format=args.load_format,
     )
 
 

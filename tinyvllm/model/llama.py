@@ -375,14 +375,43 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model weights incomplete: loaded {len(loaded)} of {expected} tensors")
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Fill ``model`` with seeded random weights (vLLM's ``--load-format dummy``), on its own device.
+
+    Linear weights ~ N(0, 1/in_features) so activations stay O(1) through any depth;
+    the embedding ~ N(0, 0.02^2) (Hugging Face's ``initializer_range``); RMSNorm weights 1;
+    biases 0. Outputs are meaningless but finite, which is all a speed measurement needs.
+    """
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed_tokens" in name:
+                p.normal_(0.0, 0.02, generator=g)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:  # RMSNorm weights
+                p.fill_(1.0)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", *,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
     """Build a :class:`LlamaForCausalLM` from an HF-style directory of safetensors.
 
+    Args:
+        load_format: ``auto`` reads ``*.safetensors``; ``dummy`` reads only ``config.json``
+            and fills the weights with :func:`init_dummy_weights` (``seed``).
+
     Raises:
-        ValueError: unsupported config or mismatched weights.
+        ValueError: unsupported config or mismatched weights; unknown ``load_format``.
     """
     from safetensors import safe_open
 
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     model_dir = Path(model_dir)
     cfg = LlamaConfig.from_dir(model_dir)
     with torch.device("meta"):
@@ -398,7 +427,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                 for key in fh.keys():
                     yield key, fh.get_tensor(key)
 
-    model.load_weights(weights())
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(weights())
     model.eval()
     model.pack_for_cpu()
     return model

@@ -71,8 +71,11 @@ def _find_alias_gguf(alias: str) -> Path:
     return path
 
 
-def resolve_model(model: str) -> ResolvedModel:
+def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
     """Turn a ``--model`` value into a loadable HF-style directory (converting a GGUF if needed).
+
+    With ``load_format="dummy"`` a model directory needs only ``config.json`` and the
+    tokenizer files (no ``*.safetensors``): the weights will be random.
 
     Raises:
         ModelNotFoundError: nothing usable at that name/path, with the paths looked at
@@ -97,8 +100,9 @@ def resolve_model(model: str) -> ResolvedModel:
                 f"model directory {str(path)!r} has no config.json (expected a Hugging Face model "
                 "directory with config.json, *.safetensors and tokenizer files, or a single .gguf file)"
             )
-        if not list(path.glob("*.safetensors")):
-            raise ModelNotFoundError(f"model directory {str(path)!r} has no *.safetensors weight files")
+        if load_format != "dummy" and not list(path.glob("*.safetensors")):
+            raise ModelNotFoundError(f"model directory {str(path)!r} has no *.safetensors weight files "
+                                     "(--load-format dummy runs random weights of config.json's shapes)")
         return ResolvedModel(path, path.name, "hf")
     raise ModelNotFoundError(
         f"unknown model {model!r}: not an alias (known: {DEFAULT_MODEL_ALIAS}), not a .gguf file, "

@@ -1,0 +1,72 @@
+"""``--load-format dummy``: random weights of a config's shapes, no weight files (for shape benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.model.dummy import LLAMA_3_2_1B, write_dummy_model_dir
+from tinyvllm.model.llama import LlamaConfig, load_model
+from tinyvllm.model.loader import ModelNotFoundError
+
+TINY = dict(LLAMA_3_2_1B, vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rope_scaling={**LLAMA_3_2_1B["rope_scaling"], "original_max_position_embeddings": 64})
+ENGINE = dict(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def dummy_dir(tmp_path_factory):
+    return write_dummy_model_dir(tmp_path_factory.mktemp("dummy"), TINY)
+
+
+def test_dummy_dir_has_no_weights_and_auto_refuses_it(dummy_dir):
+    assert not list(dummy_dir.glob("*.safetensors"))
+    assert json.loads((dummy_dir / "config.json").read_text())["vocab_size"] == 300
+    with pytest.raises(ModelNotFoundError, match="load-format dummy"):
+        LLM(str(dummy_dir), **ENGINE)
+
+
+def test_dummy_weights_are_seeded_and_shaped(dummy_dir):
+    a = load_model(dummy_dir, torch.float32, load_format="dummy", seed=3)
+    b = load_model(dummy_dir, torch.float32, load_format="dummy", seed=3)
+    c = load_model(dummy_dir, torch.float32, load_format="dummy", seed=4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    w = "layers.0.mlp.down_proj.weight"
+    assert not torch.equal(sa[w], sc[w])
+    assert sa[w].shape == (64, 160)
+    assert abs(float(sa[w].std()) - 160 ** -0.5) < 0.01  # N(0, 1/in_features)
+    assert torch.equal(sa["norm.weight"], torch.ones(64))
+    assert a.config == LlamaConfig.from_dir(dummy_dir)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(dummy_dir, torch.float32, load_format="pt")
+
+
+def test_engine_runs_dummy_model_with_every_token_detokenizable(dummy_dir):
+    llm = LLM(str(dummy_dir), load_format="dummy", **ENGINE)
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=7)
+    outs = llm.generate([{"prompt_token_ids": list(range(3, 30))}, "w5 w6 w7"], sp)
+    for o in outs:
+        ids = o.outputs[0].token_ids
+        assert len(ids) == 12 and all(0 <= t < 300 for t in ids)
+        # Word-level tokenizer over the whole vocabulary: the text is the sampled ids' words.
+        assert o.outputs[0].text.split() == [f"w{t}" for t in ids if t >= 3]
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+
+
+def test_cli_flag_and_config_validation():
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.entrypoints.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args([]))["load_format"] == "auto"
+    assert engine_kwargs(p.parse_args(["--load-format", "dummy"]))["load_format"] == "dummy"
+    with pytest.raises(ValueError, match="load_format"):
+        ModelConfig(load_format="pt")

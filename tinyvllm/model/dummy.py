@@ -1,0 +1,64 @@
+"""Model directories for ``--load-format dummy``: a ``config.json`` and a tokenizer, no weights.
+
+Benchmarks of a model's *shape* (a GPU check at Llama-3.2-1B size, say) need no
+download: :func:`write_dummy_model_dir` writes the config of a known shape and a
+word-level tokenizer over its whole vocabulary (token ``i`` is the word ``w{i}``;
+ids 0/1/2 are ``<unk>``/``<s>``/``</s>``), so every id the random model samples
+detokenizes. The engine then fills the weights with seeded random values
+(:func:`tinyvllm.model.llama.init_dummy_weights`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Llama-3.2-1B's config.json fields (published shape: 16 layers, hidden 2048, 32 query / 8 KV heads
+# of 64, SwiGLU 8192, vocab 128256, tied embedding, llama3 RoPE scaling), max_position_embeddings
+# lowered from 131072 to 8192 so the CUDA-graph block tables stay small.
+LLAMA_3_2_1B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def save_word_level_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """Save a word-level tokenizer (``tokenizer.json`` + config) with ids ``0 .. vocab_size-1``:
+    ``<unk>``, ``<s>``, ``</s>``, then ``w3 .. w{vocab_size-1}``, split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 4:
+        raise ValueError(f"vocab_size must be >= 4, got {vocab_size}")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+
+
+def write_dummy_model_dir(path: str | Path, config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` (default :data:`LLAMA_3_2_1B`) and a word-level tokenizer of its
+    vocabulary into ``path``; run it with ``load_format="dummy"``. Returns ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(LLAMA_3_2_1B if config is None else config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_word_level_tokenizer(path, int(config["vocab_size"]))
+    return path
