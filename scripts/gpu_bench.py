@@ -3,25 +3,37 @@
 
 Run by ``scripts/gpu_check.sh`` after the kernel tests; not part of CI.
 
-Rows:
-  * each kernel at Llama-3.2-1B shapes (32 query heads, 8 KV heads, head_dim
-    64, bf16, block_size 16) next to the PyTorch op a reader would otherwise
-    use (SDPA / FlashAttention on contiguous K/V, eager RMSNorm/RoPE, index
-    copy), with the max abs difference between the two;
-  * a random-weight Llama-3.2-1B-shaped stack (16 layers of attention + MLP,
-    no embedding / lm_head) built from these kernels and torch matmuls:
-    a prefill step and a decode step, eager and replayed as a CUDA graph.
+Rows, one table:
+  * the device's ceilings, measured here: memory bandwidth (a device-to-device
+    copy, bytes read + written) and bf16 matmul throughput (8192^3 product);
+  * the whole tinyvllm engine (scheduler, model runner, sampler; ``LLM`` offline)
+    on a Llama-3.2-1B-shaped model with random weights (``--load-format dummy``,
+    :data:`tinyvllm.model.dummy.LLAMA_3_2_1B`, bf16, no download): prefill
+    tokens/s, and decode tokens/s at batch 1/32/256 with CUDA graphs and eagerly,
+    each next to its roofline time: max(bytes moved / measured bandwidth, FLOPs /
+    measured matmul rate), where a decode step moves every weight once plus each
+    sequence's KV, and a prefill is FLOP-bound;
+  * each Triton kernel at Llama-3.2-1B shapes (32 query heads, 8 KV heads,
+    head_dim 64, bf16, block_size 16) next to the PyTorch op a reader would
+    otherwise use (SDPA / FlashAttention on contiguous K/V, eager RMSNorm/RoPE,
+    index copy), with the max abs difference between the two;
+  * with ``--stack``: a stack of the kernels and torch matmuls alone (no
+    scheduler), a decode step eager and as one CUDA graph.
 
-``--smoke`` runs tiny shapes on the CPU under the Triton interpreter, to check
-the script itself without a GPU (its timings mean nothing).
-Budget: well under 3 minutes on an H100/H200 including Triton compilation.
+``--smoke`` runs tiny shapes on the CPU (kernels under the Triton interpreter,
+the engine on its CPU path) to check the script itself without a GPU; its
+timings mean nothing.  ``--json PATH`` also writes the rows as JSON.
+Budget: about 3 minutes on an H100/H200 including Triton compilation and the
+CUDA-graph capture.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
 import time
 
 SMOKE = "--smoke" in sys.argv
@@ -37,10 +49,11 @@ import triton  # noqa: E402
 from tinyvllm.attention import triton_kernels as tk  # noqa: E402
 from tinyvllm.attention import triton_ops as tops  # noqa: E402
 
-ROWS: list[tuple[str, str, str, str, str, str]] = []
+ROWS: list[tuple[str, str, str, str, str, str, str]] = []
+RECORDS: list[dict] = []
 
 
-def add_row(name, shape, t_ms, ref_ms=None, metric="", err=None):
+def add_row(name, shape, t_ms, ref_ms=None, metric="", err=None, vs_ceiling=""):
     ROWS.append(
         (
             name,
@@ -48,14 +61,22 @@ def add_row(name, shape, t_ms, ref_ms=None, metric="", err=None):
             f"{t_ms:.3f}",
             "-" if ref_ms is None else f"{ref_ms:.3f}",
             metric,
+            vs_ceiling,
             "-" if err is None else f"{err:.1e}",
         )
     )
+    RECORDS.append(dict(case=name, shape=shape, ms=t_ms, ref_ms=ref_ms, throughput=metric, vs_ceiling=vs_ceiling,
+                        max_abs_diff=err))
     print(f"  done: {name} [{shape}] {t_ms:.3f} ms", flush=True)
 
 
+def add_section(title):
+    ROWS.append((f"-- {title}", "", "", "", "", "", ""))
+    print(f"== {title}", flush=True)
+
+
 def print_table():
-    head = ("case", "shape", "triton ms", "torch ms", "throughput", "max|diff|")
+    head = ("case", "shape", "ms", "ref ms", "throughput", "of ceiling", "max|diff|")
     widths = [max(len(r[i]) for r in ROWS + [head]) for i in range(len(head))]
     line = "+".join("-" * (w + 2) for w in widths)
     fmt = lambda r: "|".join(f" {c:<{w}} " for c, w in zip(r, widths))  # noqa: E731
@@ -65,6 +86,8 @@ def print_table():
     for r in ROWS:
         print(fmt(r))
     print(line)
+    print("ref ms: the roofline time for ceiling and engine rows (max(bytes / bandwidth, FLOPs / matmul rate)),\n"
+          "        the PyTorch op for kernel rows.  of ceiling: roofline / measured time, or achieved / peak rate.")
 
 
 def timeit(fn, iters: int) -> float:
@@ -89,6 +112,115 @@ def timeit(fn, iters: int) -> float:
 
 def maxdiff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
+
+
+def pct(achieved: float, ceiling: float) -> str:
+    return f"{100 * achieved / ceiling:.0f}%" if ceiling > 0 else "-"
+
+
+# ---------------------------------------------------------------------------
+# the device's ceilings
+# ---------------------------------------------------------------------------
+
+
+def measure_ceilings(cfg) -> dict:
+    """Measured memory bandwidth (bytes/s, read + written by a device copy) and bf16 matmul rate (FLOP/s)."""
+    add_section("device ceilings (measured)")
+    n = cfg["copy_bytes"] // 2
+    a = torch.ones(n, dtype=torch.bfloat16, device=DEV)
+    b = torch.empty_like(a)
+    t = timeit(lambda: b.copy_(a), cfg["iters"])
+    bw = 2 * n * 2 / (t * 1e-3)
+    add_row("ceiling: memory copy (read + write)", f"{2 * n / 2**30:.1f} GiB", t, None, f"{bw / 1e9:,.0f} GB/s")
+    del a, b
+    m = cfg["mm_size"]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, m, generator=g).to(torch.bfloat16).to(DEV)
+    y = torch.randn(m, m, generator=g).to(torch.bfloat16).to(DEV)
+    t = timeit(lambda: x @ y, cfg["iters"])
+    flops = 2 * m**3 / (t * 1e-3)
+    add_row("ceiling: bf16 matmul", f"{m}x{m}x{m}", t, None, f"{flops / 1e12:,.1f} TFLOP/s")
+    return {"bw": bw, "flops": flops}
+
+
+# ---------------------------------------------------------------------------
+# the whole engine on a Llama-3.2-1B-shaped model (random weights)
+# ---------------------------------------------------------------------------
+
+
+def model_costs(mc: dict, elem: int) -> dict:
+    """Weights and per-token work of a Llama config (HF config.json fields).
+
+    Returns bytes of every weight read once per step (layers, final norm, LM head; the embedding
+    lookup reads only the batch's rows), FLOPs of the matmuls per token (layers), of the LM head per
+    sampled row, of attention per (query, context) pair, and KV bytes per token of context."""
+    H, I, V, L = mc["hidden_size"], mc["intermediate_size"], mc["vocab_size"], mc["num_hidden_layers"]
+    hq, hk = mc["num_attention_heads"], mc["num_key_value_heads"]
+    d = mc.get("head_dim") or H // hq
+    layer = H * (hq + 2 * hk) * d + hq * d * H + 3 * H * I
+    norms = L * 2 * H + H
+    return {
+        "weight_bytes": (L * layer + norms + V * H) * elem,
+        "linear_flops_per_token": 2 * L * layer,
+        "head_flops_per_row": 2 * V * H,
+        "attn_flops_per_pair": 4 * L * hq * d,
+        "kv_bytes_per_token": 2 * L * hk * d * elem,
+        "params": L * layer + norms + V * H * (1 if mc.get("tie_word_embeddings") else 2),
+    }
+
+
+def bench_engine(cfg, ceil):
+    try:
+        from tinyvllm import LLM
+        from tinyvllm.benchmarks.throughput import run_latency
+        from tinyvllm.model.dummy import write_dummy_model_dir
+    except ImportError as e:
+        ROWS.append(("engine rows NOT RUN", f"missing package: {e.name}", "-", "-", "carry wheels (gpu_check.sh)",
+                     "-", "-"))
+        return
+    mc = cfg["model"]
+    elem = torch.empty(0, dtype=cfg["dtype"]).element_size()
+    cost = model_costs(mc, elem)
+    tag = f"{cost['params'] / 1e9:.2f}B params"
+    add_section(f"engine, Llama-3.2-1B shape ({tag})" if DEV.type == "cuda" else "engine, tiny model, CPU")
+    bw, peak = ceil["bw"], ceil["flops"]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_dummy_model_dir(tmp, mc)
+        t0 = time.perf_counter()
+        llm = LLM(str(model_dir), load_format="dummy", device=str(DEV), dtype=str(cfg["dtype"]).replace("torch.", ""),
+                  **cfg["engine"])
+        start_s = time.perf_counter() - t0
+        runner = llm.llm_engine.core.runner
+        graphs = runner.graph_runner
+        print(f"  engine up in {start_s:.1f} s (weights, KV cache"
+              f"{', CUDA-graph capture of sizes ' + str(graphs.sizes) if graphs else ''})", flush=True)
+        run_latency(llm, 16, 4, 1, 1, seed=777)  # warm-up: first kernels compiled outside the timings
+
+        B, L = cfg["engine_prefill"]
+        r = run_latency(llm, L, 1, B, num_iters=2, seed=1)
+        flops = B * L * cost["linear_flops_per_token"] + B * cost["head_flops_per_row"] \
+            + B * cost["attn_flops_per_pair"] * L * (L + 1) / 2
+        roof = max(flops / peak, cost["weight_bytes"] / bw)
+        add_row("engine prefill", f"{B} prompts x {L} tok, budget {cfg['engine']['max_num_batched_tokens']}",
+                r["prefill_s"] * 1e3, roof * 1e3, f"{r['prefill_tokens_per_s']:,.0f} tok/s",
+                vs_ceiling=pct(roof, r["prefill_s"]))
+
+        L, out = cfg["engine_decode_ctx"]
+        ctx = L + out / 2  # mean context over the measured decode steps
+        for mode in (["graph", "eager"] if graphs is not None else ["eager"]):
+            runner.graph_runner = graphs if mode == "graph" else None
+            for B in cfg["engine_decode_batches"]:
+                r = run_latency(llm, L, out, B, num_iters=2, seed=10 + B)
+                nbytes = cost["weight_bytes"] + B * ctx * cost["kv_bytes_per_token"]
+                flops = B * (cost["linear_flops_per_token"] + cost["head_flops_per_row"]
+                             + cost["attn_flops_per_pair"] * ctx)
+                roof = max(nbytes / bw, flops / peak)
+                step = r["decode_step_s"]
+                add_row(f"engine decode ({'CUDA graphs' if mode == 'graph' else 'eager'})",
+                        f"B={B} ctx {L}+{out}", step * 1e3, roof * 1e3, f"{B / step:,.0f} tok/s",
+                        vs_ceiling=pct(roof, step))
+        runner.graph_runner = graphs
+        del llm
 
 
 # ---------------------------------------------------------------------------
@@ -122,7 +254,8 @@ def slots_for(tables, starts, ends, block_size):
 # ---------------------------------------------------------------------------
 
 
-def bench_kernels(cfg):
+def bench_kernels(cfg, ceil):
+    add_section("Triton kernels vs PyTorch op")
     H, KVH, D, BS = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["block_size"]
     dt, it = cfg["dtype"], cfg["iters"]
     gen = torch.Generator().manual_seed(0)
@@ -144,7 +277,7 @@ def bench_kernels(cfg):
     flat = kv.view(2, -1, KVH, D)
     ref_t = timeit(lambda: (flat[0].index_copy_(0, slots, k), flat[1].index_copy_(0, slots, v)), it)
     gbs = 4 * k.numel() * k.element_size() / (t * 1e-3) / 1e9
-    add_row("reshape_and_cache", f"T={B * L} kvh={KVH} d={D}", t, ref_t, f"{gbs:.0f} GB/s", 0.0)
+    add_row("reshape_and_cache", f"T={B * L} kvh={KVH} d={D}", t, ref_t, f"{gbs:.0f} GB/s", 0.0, pct(gbs * 1e9, ceil["bw"]))
 
     tk.reshape_and_cache(k, v, kv[0], kv[1], slots)
     out = tk.paged_prefill_attention(q, kv[0], kv[1], bt, sl, qsl, scale)
@@ -160,7 +293,8 @@ def bench_kernels(cfg):
     t = timeit(lambda: tk.paged_prefill_attention(q, kv[0], kv[1], bt, sl, qsl, scale, out=out), it)
     ref_t = timeit(sdpa_prefill, it)
     flops = 4 * B * H * D * L * L / 2  # causal half
-    add_row("prefill attn (fresh, causal)", f"B={B} L={L}", t, ref_t, f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err)
+    add_row("prefill attn (fresh, causal)", f"B={B} L={L}", t, ref_t, f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err,
+            pct(flops / (t * 1e-3), ceil["flops"]))
 
     # ---- chunked prefill: a chunk after a long cached prefix ----
     P, C = cfg["chunk_prefix"], cfg["chunk_len"]
@@ -187,7 +321,7 @@ def bench_kernels(cfg):
     ref_t = timeit(sdpa_chunk, it)
     flops = 4 * H * D * C * (P + C / 2)
     add_row("prefill attn (chunk after prefix)", f"prefix={P} chunk={C}", t, ref_t,
-            f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err)
+            f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err, pct(flops / (t * 1e-3), ceil["flops"]))
 
     # ---- decode: B sequences of context N ----
     for B, N in cfg["decode_cases"]:
@@ -214,7 +348,7 @@ def bench_kernels(cfg):
             t = timeit(lambda: tk.paged_decode_attention(q3, kv3[0], kv3[1], bt3, sl3, scale, num_splits=splits, out=o), it)
             used = splits or tk.default_num_splits(B, KVH, bt3.shape[1] * BS, DEV)
             add_row(f"decode attn (splits={used}{'' if splits else ', auto'})", f"B={B} ctx={N}", t, ref_t,
-                    f"{kv_bytes / (t * 1e-3) / 1e9:.0f} GB/s KV", err)
+                    f"{kv_bytes / (t * 1e-3) / 1e9:.0f} GB/s KV", err, pct(kv_bytes / (t * 1e-3), ceil["bw"]))
 
     # ---- fused RMSNorm + residual, RoPE ----
     T, Hd = cfg["norm_tokens"], cfg["hidden"]
@@ -315,6 +449,7 @@ class Stack:
 
 
 def bench_stack(cfg):
+    add_section("kernel stack, no scheduler")
     BS, Hd = cfg["block_size"], cfg["hidden"]
     dt, it = cfg["dtype"], max(3, cfg["iters"] // 4)
     gen = torch.Generator().manual_seed(2)
@@ -391,34 +526,60 @@ def bench_stack(cfg):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    ap.add_argument("--skip-stack", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter), checks the script")
+    ap.add_argument("--skip-kernels", action="store_true", help="no per-kernel rows")
+    ap.add_argument("--skip-engine", action="store_true", help="no engine rows")
+    ap.add_argument("--stack", action="store_true", help="also time the kernel stack without the scheduler")
+    ap.add_argument("--json", default=None, help="also write the rows here as JSON")
     a = ap.parse_args()
     global DEV
+    from tinyvllm.model.dummy import LLAMA_3_2_1B
+
     if a.smoke:
         DEV = torch.device("cpu")
+        model = dict(LLAMA_3_2_1B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                     rope_scaling=dict(LLAMA_3_2_1B["rope_scaling"], original_max_position_embeddings=64))
         cfg = dict(heads=4, kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32, iters=1,
+                   copy_bytes=64 << 20, mm_size=256,
                    prefill_batch=2, prefill_len=20, chunk_prefix=30, chunk_len=9,
                    decode_cases=[(2, 40), (1, 600)], norm_tokens=8, hidden=32, intermediate=64, layers=2, max_pos=256,
-                   stack_prefill_batch=2, stack_prefill_len=12, stack_decode_batch=2, stack_decode_ctx=20)
+                   stack_prefill_batch=2, stack_prefill_len=12, stack_decode_batch=2, stack_decode_ctx=20,
+                   model=model, engine=dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="16MiB",
+                                            max_model_len=256),
+                   engine_prefill=(2, 48), engine_decode_ctx=(16, 6), engine_decode_batches=(1, 4, 8))
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_bench.py needs a CUDA GPU (or --smoke)")
         DEV = torch.device("cuda")
-        torch.backends.cuda.matmul.allow_tf32 = True
         cfg = dict(heads=32, kv_heads=8, head_dim=64, block_size=16, dtype=torch.bfloat16, iters=20,
+                   copy_bytes=4 << 30, mm_size=8192,
                    prefill_batch=4, prefill_len=2048, chunk_prefix=8192, chunk_len=512,
                    decode_cases=[(1, 8192), (32, 2048), (128, 1024)],
                    norm_tokens=4096, hidden=2048, intermediate=8192, layers=16, max_pos=8192,
-                   stack_prefill_batch=4, stack_prefill_len=1024, stack_decode_batch=64, stack_decode_ctx=1024)
+                   stack_prefill_batch=4, stack_prefill_len=1024, stack_decode_batch=64, stack_decode_ctx=1024,
+                   model=dict(LLAMA_3_2_1B),
+                   engine=dict(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory="32GiB",
+                               max_model_len=4096),
+                   engine_prefill=(16, 1024), engine_decode_ctx=(512, 64), engine_decode_batches=(1, 32, 256))
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    bench_kernels(cfg)
-    if not a.skip_stack:
+    ceil = measure_ceilings(cfg)
+    if not a.skip_engine:
+        bench_engine(cfg, ceil)
+    if not a.skip_kernels:
+        bench_kernels(cfg, ceil)
+    if a.stack:
         bench_stack(cfg)
     print()
     print_table()
-    print(f"total {time.time() - t0:.0f} s (includes Triton JIT compilation)")
+    total = time.time() - t0
+    print(f"total {total:.0f} s (includes Triton JIT compilation and CUDA-graph capture)")
+    if a.json:
+        info = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
+                    triton=triton.__version__, smoke=a.smoke, total_s=total, ceilings=ceil)
+        with open(a.json, "w") as f:
+            json.dump(dict(info=info, rows=RECORDS), f, indent=2)
 
 
 DEV = torch.device("cpu")

@@ -3,13 +3,18 @@
 #   bash scripts/gpu_check.sh            # kernel tests, engine tests, then the timing table
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 # Needs a Python with CUDA torch + triton (the repo's .venv is CPU-only, so the
-# system python3 is the default).  Whole run: ~3-5 minutes on an H100/H200,
+# system python3 is the default).  Whole run: ~4-6 minutes on an H100/H200,
 # dominated by Triton JIT compilation; each stage has its own timeout.
+# The table is also written as JSON to $OUT/gpu_bench.json (the device tool's
+# output folder) or bench_results/gpu_bench.json.
 # Stages: (1) Triton kernels vs PyTorch references (tests/test_triton_kernels.py);
 # (2) the whole engine on CUDA - eager, with CUDA graphs of the decode step, and
 # graphs for small batches only - against the CPU float32 greedy tokens on a
 # tiny random Llama, plus the graph runner's padding (tests/test_gpu_engine.py);
-# (3) the kernel timing table (scripts/gpu_bench.py).
+# (3) one table (scripts/gpu_bench.py): the measured bandwidth and matmul
+# ceilings, the whole engine on a random-weight Llama-3.2-1B shape (prefill
+# tokens/s; decode tokens/s at batch 1/32/256, CUDA graphs and eager) against
+# its roofline, and each Triton kernel against the PyTorch op.
 # The engine needs msgspec, which a bare GPU image may lack: wheels found in
 # ./.whl (e.g. `pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux2014_x86_64 -d .whl msgspec==0.22.0` on a machine with
@@ -50,6 +55,8 @@ else
     status=1
 fi
 echo "== benchmark =="
-timeout 240 "$PY" scripts/gpu_bench.py || status=$?
+json_dir="${OUT:-bench_results}"
+mkdir -p "$json_dir"
+timeout 300 "$PY" scripts/gpu_bench.py --json "$json_dir/gpu_bench.json" || status=$?
 echo "gpu_check: exit status $status"
 exit $status
