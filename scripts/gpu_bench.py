@@ -35,6 +35,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -448,7 +449,7 @@ class Stack:
         return out
 
 
-def bench_stack(cfg):
+def bench_stack(cfg, ceil=None):
     add_section("kernel stack, no scheduler")
     BS, Hd = cfg["block_size"], cfg["hidden"]
     dt, it = cfg["dtype"], max(3, cfg["iters"] // 4)
@@ -521,7 +522,8 @@ def bench_stack(cfg):
             add_row("stack decode step (CUDA graph)", f"{tag}; B={DB} ctx={DN}", t, None,
                     f"{DB / (t * 1e-3):,.0f} tok/s", err)
         except Exception as e:  # report, do not hide the rest of the table
-            ROWS.append(("stack decode step (CUDA graph)", "FAILED", "-", "-", f"{type(e).__name__}: {e}"[:80], "-"))
+            ROWS.append(("stack decode step (CUDA graph)", "FAILED", "-", "-", f"{type(e).__name__}: {e}"[:80], "-",
+                         "-"))
 
 
 def main():
@@ -565,12 +567,17 @@ def main():
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
     ceil = measure_ceilings(cfg)
-    if not a.skip_engine:
-        bench_engine(cfg, ceil)
-    if not a.skip_kernels:
-        bench_kernels(cfg, ceil)
-    if a.stack:
-        bench_stack(cfg)
+    sections = [(bench_engine, not a.skip_engine), (bench_kernels, not a.skip_kernels), (bench_stack, a.stack)]
+    failed = 0
+    for fn, wanted in sections:
+        if not wanted:
+            continue
+        try:  # one broken section must not cost the rest of the table on a short GPU lease
+            fn(cfg, ceil)
+        except Exception as e:
+            failed += 1
+            traceback.print_exc()
+            ROWS.append((f"{fn.__name__} FAILED", "-", "-", "-", f"{type(e).__name__}: {e}"[:80], "-", "-"))
     print()
     print_table()
     total = time.time() - t0
@@ -579,7 +586,9 @@ def main():
         info = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
                     triton=triton.__version__, smoke=a.smoke, total_s=total, ceilings=ceil)
         with open(a.json, "w") as f:
-            json.dump(dict(info=info, rows=RECORDS), f, indent=2)
+            json.dump(dict(info=info, rows=RECORDS, failed_sections=failed), f, indent=2)
+    if failed:
+        sys.exit(f"gpu_bench.py: {failed} section(s) failed (tracebacks above)")
 
 
 DEV = torch.device("cpu")

@@ -40,14 +40,20 @@ print(f"python {sys.version.split()[0]}  torch {torch.__version__}  triton {trit
       f"gpu {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
 PYEOF
 
+# Logs of each stage go to $OUT (the device tool's output folder) or bench_results/, so they come back
+# even if the run is cut off; the stage timeouts add up to under 10 minutes.
+log_dir="${OUT:-bench_results}"
+mkdir -p "$log_dir"
 status=0
 echo "== kernel tests on CUDA =="
-timeout 360 "$PY" -m pytest -q -x -rs tests/test_triton_kernels.py || status=$?
+timeout 200 "$PY" -m pytest -q -rs tests/test_triton_kernels.py 2>&1 | tee "$log_dir/kernel_tests.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "== engine on CUDA: eager / CUDA graphs vs CPU float32 greedy tokens =="
 if "$PY" -c "import msgspec, transformers, tokenizers, safetensors" 2>/dev/null; then
     # TINYVLLM_ATTENTION=torch: the CPU reference uses the pure-PyTorch path (no C++ build on this machine).
-    TINYVLLM_ATTENTION=torch TINYVLLM_NUM_THREADS=4 timeout 300 "$PY" -m pytest -q -x -rs tests/test_gpu_engine.py \
-        || status=$?
+    TINYVLLM_ATTENTION=torch TINYVLLM_NUM_THREADS=4 timeout 150 "$PY" -m pytest -q -rs tests/test_gpu_engine.py \
+        2>&1 | tee "$log_dir/engine_tests.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
     echo "engine tests NOT RUN: missing Python packages:"
     "$PY" -c "import msgspec, transformers, tokenizers, safetensors" 2>&1 | tail -1
@@ -55,8 +61,7 @@ else
     status=1
 fi
 echo "== benchmark =="
-json_dir="${OUT:-bench_results}"
-mkdir -p "$json_dir"
-timeout 300 "$PY" scripts/gpu_bench.py --json "$json_dir/gpu_bench.json" || status=$?
+timeout 220 "$PY" scripts/gpu_bench.py --json "$log_dir/gpu_bench.json" 2>&1 | tee "$log_dir/gpu_bench.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "gpu_check: exit status $status"
 exit $status

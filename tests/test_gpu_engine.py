@@ -94,7 +94,7 @@ def test_device_resolution_and_flags():
     from tinyvllm.entrypoints.cli import add_engine_args, engine_kwargs
 
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto") == torch.device("cuda" if HAS_CUDA else "cpu")
+    assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
     with pytest.raises(ValueError, match="device"):
         ModelConfig(device="tpu")
     if not HAS_CUDA:
@@ -106,6 +106,20 @@ def test_device_resolution_and_flags():
     assert kw["device"] == "cpu" and kw["enforce_eager"] is True
     kw = engine_kwargs(p.parse_args([]))
     assert kw["device"] == "auto" and kw["enforce_eager"] is False
+
+
+def test_resolve_device_cuda_is_always_indexed(monkeypatch):
+    """``torch.cuda.set_device`` rejects a bare ``torch.device("cuda")``: resolution names the index."""
+    from tinyvllm.config import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")
 
 
 def test_cpu_engine_has_no_cuda_graphs(tiny_dir):

@@ -75,7 +75,8 @@ _DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``auto`` -> ``cuda`` if ``torch.cuda.is_available()`` else ``cpu``; other names as given.
+    """``auto`` -> ``cuda`` if ``torch.cuda.is_available()`` else ``cpu``; ``cuda`` -> ``cuda:N`` of the
+    current CUDA device; other names as given.
 
     Raises:
         ValueError: an unknown device name, or CUDA asked for but not available.
@@ -90,7 +91,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
             raise ValueError(f"device {name!r} requested but torch sees no CUDA device "
                              f"(torch {torch.__version__}); use --device cpu")
         dev = torch.device(name)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
+        if dev.index is None:  # always an indexed device: torch.cuda.set_device rejects a bare "cuda"
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
         return dev
     return torch.device("cpu")

@@ -432,7 +432,7 @@ def paged_decode_attention(
         po_strides = po.stride()[:3]
         plse_strides = plse.stride()[:2]
 
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs K >= 16 on the GPU; lanes masked
     block_h = max(16, triton.next_power_of_2(group))
     with _device_ctx(q):
         _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -689,7 +689,7 @@ def paged_prefill_attention(
             HEAD_DIM=head_dim,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs >= 16; lanes masked
             UPCAST=_upcast_for_dot(q.dtype),
             num_warps=4,
             num_stages=2,

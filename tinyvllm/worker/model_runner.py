@@ -53,8 +53,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = torch.device(device)
         if self.device.type == "cuda":  # kernels launch and graphs capture on the current device's streams
+            if self.device.index is None:  # torch.cuda.set_device rejects a bare torch.device("cuda")
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
         # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
