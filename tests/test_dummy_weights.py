@@ -70,3 +70,17 @@ def test_cli_flag_and_config_validation():
     assert engine_kwargs(p.parse_args(["--load-format", "dummy"]))["load_format"] == "dummy"
     with pytest.raises(ValueError, match="load_format"):
         ModelConfig(load_format="pt")
+
+
+def test_module_command_writes_a_dir_with_overrides(tmp_path, capsys):
+    from tinyvllm.model.dummy import main
+
+    assert main([str(tmp_path / "m"), "num_hidden_layers=2", "vocab_size=40", "tie_word_embeddings=false"]) == 0
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["vocab_size"] == 40 and cfg["tie_word_embeddings"] is False
+    assert cfg["hidden_size"] == LLAMA_3_2_1B["hidden_size"]
+    assert "--load-format dummy" in capsys.readouterr().out
+    for bad in (["no_such_field=1"], ["vocab_size=abc"], ["vocab_size"]):
+        with pytest.raises(SystemExit) as e:
+            main([str(tmp_path / "n"), *bad])
+        assert e.value.code == 2

@@ -108,6 +108,17 @@ def test_device_resolution_and_flags():
     assert kw["device"] == "auto" and kw["enforce_eager"] is False
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message for a machine without CUDA")
+def test_cli_cuda_without_cuda_is_one_clear_line(capsys):
+    from tinyvllm.entrypoints.cli import main
+
+    assert main(["generate", "hi", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: device 'cuda' requested but torch sees no CUDA device") and "Traceback" not in err
+    assert main(["generate", "hi", "--device", "tpu"]) == 2
+    assert "device must be" in capsys.readouterr().err
+
+
 def test_resolve_device_cuda_is_always_indexed(monkeypatch):
     """``torch.cuda.set_device`` rejects a bare ``torch.device("cuda")``: resolution names the index."""
     from tinyvllm.config import resolve_device

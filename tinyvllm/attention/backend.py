@@ -54,8 +54,11 @@ def cpu_kernel():
             cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
         except OSError:
             pass
+        # The build records absolute paths (sources, the venv's torch headers): checkouts or venvs sharing
+        # one cache would otherwise overwrite each other's build and recompile (~30 s) on every switch.
+        where = f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}"
         tag = hashlib.sha256(b"".join(f.read_bytes() for f in srcs) + " ".join(cflags).encode()
-                             + cpu.encode()).hexdigest()[:10]
+                             + cpu.encode() + where.encode()).hexdigest()[:10]
         build = cache_root() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
         _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(f) for f in srcs],

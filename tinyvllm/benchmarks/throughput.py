@@ -16,12 +16,12 @@ from typing import Any
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests, all sent at once")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (random ids)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (ignore_eos)")
     p.add_argument("--min-output-len", type=int, default=None,
                    help="draw each request's output length uniformly from [min, --output-len] (mixed lengths)")
-    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
 
 
@@ -81,11 +81,11 @@ def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
 
 
 def add_latency_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--result-file", default=None)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens per sequence (random ids)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens generated per sequence")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences run together")
+    p.add_argument("--num-iters", type=int, default=3, help="repetitions; the best is reported")
+    p.add_argument("--result-file", default=None, help="write the result as JSON here")
 
 
 def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, num_iters: int = 3,

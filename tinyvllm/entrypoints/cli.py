@@ -10,6 +10,9 @@ from typing import Any
 from tinyvllm.config import DEFAULT_MODEL
 
 
+_FMT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows the defaults
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options under vLLM's flag names."""
     g = p.add_argument_group("engine")
@@ -24,8 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="reuse KV blocks of identical prefixes across requests")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB, 512MiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit number of KV blocks (overrides memory)")
-    g.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous",
+                   help="continuous: rebuild the batch every step; static: admit a new batch only when one finishes")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (and of --load-format dummy)")
     g.add_argument("--device", default="auto",
                    help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--enforce-eager", action="store_true",
@@ -47,12 +51,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
 
 
 def _sampling(args: argparse.Namespace):
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tinyvllm", description="tinyvllm: LLM inference engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_FMT)
     add_engine_args(p)
     try:
         from tinyvllm.entrypoints.openai.api_server import add_server_args
@@ -131,39 +135,50 @@ def main(argv: list[str] | None = None) -> int:
         add_server_args(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("generate", help="generate from one prompt and print the text as it streams")
+    p = sub.add_parser("generate", help="generate from one prompt and print the text as it streams",
+                       formatter_class=_FMT)
     p.add_argument("prompt")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)")
+    p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)", formatter_class=_FMT)
     p.add_argument("--system", default=None, help="system prompt")
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="benchmarks")
+    p = sub.add_parser("bench", help="benchmarks", formatter_class=_FMT)
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from tinyvllm.benchmarks import serve as bench_serve
 
-    bp = bsub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP")
+    bp = bsub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP",
+                         formatter_class=_FMT)
     bench_serve.add_serve_args(bp)
     bp.set_defaults(func=lambda a: (bench_serve.main_serve(a), 0)[1])
     from tinyvllm.benchmarks import throughput as bench_tp
 
-    bp = bsub.add_parser("throughput", help="offline throughput of the engine in-process")
+    bp = bsub.add_parser("throughput", help="offline throughput of the engine in-process", formatter_class=_FMT)
     add_engine_args(bp)
     bench_tp.add_throughput_args(bp)
     bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, engine_kwargs(a)), 0)[1])
-    bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process")
+    bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process",
+                         formatter_class=_FMT)
     add_engine_args(bp)
     bench_tp.add_latency_args(bp)
     bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, engine_kwargs(a)), 0)[1])
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tinyvllm.config import resolve_device
     from tinyvllm.model.loader import ModelNotFoundError
+
+    if getattr(args, "device", None) is not None:
+        try:  # before any process starts or weights load: one clear line, not an engine traceback
+            resolve_device(args.device)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     try:
         return int(args.func(args) or 0)

@@ -62,3 +62,32 @@ def write_dummy_model_dir(path: str | Path, config: dict[str, Any] | None = None
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_word_level_tokenizer(path, int(config["vocab_size"]))
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tinyvllm.model.dummy DIR [KEY=VALUE ...]``: write a dummy model directory
+    (Llama-3.2-1B's shape, with config fields overridden by ``KEY=VALUE``, values parsed as JSON)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tinyvllm.model.dummy", description=main.__doc__)
+    p.add_argument("dir", help="directory to write config.json and the tokenizer into")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="config.json fields to change, e.g. num_hidden_layers=2 vocab_size=1000")
+    args = p.parse_args(argv)
+    config = dict(LLAMA_3_2_1B)
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in config:
+            p.error(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(config)}")
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            p.error(f"{item!r}: the value must be JSON (a number, true/false, a quoted string, an object)")
+    path = write_dummy_model_dir(args.dir, config)
+    print(f"wrote {path}/config.json and a {config['vocab_size']}-word tokenizer; "
+          f"run it with --model {path} --load-format dummy")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
