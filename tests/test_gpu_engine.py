@@ -43,6 +43,9 @@ def _triton_kernels(interpret: bool):
     if tk._interpreting() != interpret:
         if interpret and not HAS_CUDA:
             tk = importlib.reload(tk)  # TRITON_INTERPRET=1 is set above
+            import tinyvllm.attention.triton_ops as tops
+
+            importlib.reload(tops)  # the fused RMSNorm / RoPE kernels, likewise
         else:
             pytest.skip(f"Triton kernels are {'interpreted' if tk._interpreting() else 'compiled'} in this process "
                         f"(TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})")
@@ -144,26 +147,31 @@ def test_cpu_engine_has_no_cuda_graphs(tiny_dir):
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter variant runs on CPU-only machines; CUDA runs the native tests")
 def test_engine_triton_interpreter_matches_cpu_path(tiny_dir, monkeypatch):
-    """The whole engine with the Triton backend (interpreted on the CPU) gives the CPU path's greedy tokens:
-    chunked prefill, mixed prefill+decode steps, decode-only steps and prefix-cache hits."""
+    """The whole engine with the Triton backend (interpreted on the CPU: paged attention, KV store, fused
+    RMSNorm+residual and RoPE) gives the CPU path's greedy tokens: chunked prefill, mixed prefill+decode
+    steps, decode-only steps and prefix-cache hits."""
     from tinyvllm import LLM
 
     tk = _triton_kernels(interpret=True)
     ref_toks, ref_lps = _run_rounds(LLM(model=str(tiny_dir), **ENGINE))
 
-    calls = {"decode": 0, "prefill": 0}
-    for name, key in (("paged_decode_attention", "decode"), ("paged_prefill_attention", "prefill")):
-        orig = getattr(tk, name)
+    import tinyvllm.attention.triton_ops as tops
+
+    calls = {"decode": 0, "prefill": 0, "rms_norm": 0, "rotary": 0}
+    for mod, name, key in ((tk, "paged_decode_attention", "decode"), (tk, "paged_prefill_attention", "prefill"),
+                           (tops, "rms_norm", "rms_norm"), (tops, "rotary_embedding", "rotary")):
+        orig = getattr(mod, name)
 
         def counted(*a, _orig=orig, _key=key, **k):
             calls[_key] += 1
             return _orig(*a, **k)
 
-        monkeypatch.setattr(tk, name, counted)
+        monkeypatch.setattr(mod, name, counted)
     monkeypatch.setenv("TINYVLLM_ATTENTION", "triton")
     llm = LLM(model=str(tiny_dir), **ENGINE)
     toks, lps = _run_rounds(llm)
     assert calls["decode"] > 0 and calls["prefill"] > 0
+    assert calls["rms_norm"] > 0 and calls["rotary"] > 0  # the fused Triton RMSNorm and RoPE run in the model
     assert llm.llm_engine.core.stats()["prefix_cache_hits"] > 0
     assert toks == ref_toks
     _assert_logprobs_close(lps, ref_lps)

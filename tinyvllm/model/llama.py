@@ -133,14 +133,16 @@ class RopeInputs:
     """Per-step rotary inputs shared by all layers: positions [T] int64 and the cos/sin tables."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
-        from tinyvllm.attention.backend import cpu_kernel
+        from tinyvllm.attention.backend import cpu_kernel, use_triton
 
         self.positions = positions
         self.rotary = rotary
         # On CUDA avoid a host read-back (CUDA-graph capture): the tables cover max_position anyway.
         needed = rotary.max_position if positions.is_cuda else (int(positions.max().item()) + 1 if positions.numel() else 1)
         self.cos_table, self.sin_table = rotary.tables(needed)
-        self.kernel = cpu_kernel() if positions.device.type == "cpu" else None
+        # GPU path: the fused Triton rotary kernel, in place on q and k, reading this [n, D] table.
+        self.cos_sin_cache = rotary.cos_sin_cache(needed) if use_triton(positions.device) else None
+        self.kernel = cpu_kernel() if positions.device.type == "cpu" and self.cos_sin_cache is None else None
         self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +169,15 @@ class LlamaAttention(nn.Module):
         # (On the CPU with the C++ kernels, LlamaForCausalLM._forward_cpu runs instead of this.)
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if rope.cos_sin_cache is not None:  # GPU: rotate q and k in place inside the fused qkv output
+            from tinyvllm.attention import triton_ops
+
+            qkv = qkv.view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads: self.num_heads + self.num_kv_heads]
+            v = qkv[:, self.num_heads + self.num_kv_heads:]
+            triton_ops.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache)
+            o = paged_attention(q, k, v, kv_cache, md, self.scale)
+            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.reshape(T, self.num_kv_heads, self.head_dim)
