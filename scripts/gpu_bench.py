@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -116,7 +117,7 @@ def maxdiff(a, b) -> float:
 
 
 def pct(achieved: float, ceiling: float) -> str:
-    return f"{100 * achieved / ceiling:.0f}%" if ceiling > 0 else "-"
+    return f"{100 * achieved / ceiling:.0f}%" if ceiling > 0 and achieved == achieved else "-"  # NaN: not measured
 
 
 # ---------------------------------------------------------------------------
@@ -149,30 +150,10 @@ def measure_ceilings(cfg) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def model_costs(mc: dict, elem: int) -> dict:
-    """Weights and per-token work of a Llama config (HF config.json fields).
-
-    Returns bytes of every weight read once per step (layers, final norm, LM head; the embedding
-    lookup reads only the batch's rows), FLOPs of the matmuls per token (layers), of the LM head per
-    sampled row, of attention per (query, context) pair, and KV bytes per token of context."""
-    H, I, V, L = mc["hidden_size"], mc["intermediate_size"], mc["vocab_size"], mc["num_hidden_layers"]
-    hq, hk = mc["num_attention_heads"], mc["num_key_value_heads"]
-    d = mc.get("head_dim") or H // hq
-    layer = H * (hq + 2 * hk) * d + hq * d * H + 3 * H * I
-    norms = L * 2 * H + H
-    return {
-        "weight_bytes": (L * layer + norms + V * H) * elem,
-        "linear_flops_per_token": 2 * L * layer,
-        "head_flops_per_row": 2 * V * H,
-        "attn_flops_per_pair": 4 * L * hq * d,
-        "kv_bytes_per_token": 2 * L * hk * d * elem,
-        "params": L * layer + norms + V * H * (1 if mc.get("tie_word_embeddings") else 2),
-    }
-
-
 def bench_engine(cfg, ceil):
     try:
         from tinyvllm import LLM
+        from tinyvllm.benchmarks.roofline import model_costs
         from tinyvllm.benchmarks.throughput import run_latency
         from tinyvllm.model.dummy import write_dummy_model_dir
     except ImportError as e:
@@ -211,14 +192,18 @@ def bench_engine(cfg, ceil):
         for mode in (["graph", "eager"] if graphs is not None else ["eager"]):
             runner.graph_runner = graphs if mode == "graph" else None
             for B in cfg["engine_decode_batches"]:
+                # Timed: the steps in which all B sequences decode (run_latency); prefix caching is off, so
+                # the eager pass computes the same prompts again instead of hitting the graph pass's blocks.
                 r = run_latency(llm, L, out, B, num_iters=2, seed=10 + B)
-                nbytes = cost["weight_bytes"] + B * ctx * cost["kv_bytes_per_token"]
-                flops = B * (cost["linear_flops_per_token"] + cost["head_flops_per_row"]
-                             + cost["attn_flops_per_pair"] * ctx)
+                nb = r["decode_batch"]
+                nbytes = cost["weight_bytes"] + nb * ctx * cost["kv_bytes_per_token"]
+                flops = nb * (cost["linear_flops_per_token"] + cost["head_flops_per_row"]
+                              + cost["attn_flops_per_pair"] * ctx)
                 roof = max(nbytes / bw, flops / peak)
                 step = r["decode_step_s"]
+                shape = f"B={B} ctx {L}+{out}" + ("" if nb == B else f" (mean batch {nb:.1f})")
                 add_row(f"engine decode ({'CUDA graphs' if mode == 'graph' else 'eager'})",
-                        f"B={B} ctx {L}+{out}", step * 1e3, roof * 1e3, f"{B / step:,.0f} tok/s",
+                        shape, step * 1e3, roof * 1e3, f"{r['decode_tokens_per_s']:,.0f} tok/s",
                         vs_ceiling=pct(roof, step))
         runner.graph_runner = graphs
         del llm
@@ -548,7 +533,7 @@ def main():
                    decode_cases=[(2, 40), (1, 600)], norm_tokens=8, hidden=32, intermediate=64, layers=2, max_pos=256,
                    stack_prefill_batch=2, stack_prefill_len=12, stack_decode_batch=2, stack_decode_ctx=20,
                    model=model, engine=dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory="16MiB",
-                                            max_model_len=256),
+                                            max_model_len=256, enable_prefix_caching=False),
                    engine_prefill=(2, 48), engine_decode_ctx=(16, 6), engine_decode_batches=(1, 4, 8))
     else:
         if not torch.cuda.is_available():
@@ -562,33 +547,54 @@ def main():
                    stack_prefill_batch=4, stack_prefill_len=1024, stack_decode_batch=64, stack_decode_ctx=1024,
                    model=dict(LLAMA_3_2_1B),
                    engine=dict(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory="32GiB",
-                               max_model_len=4096),
+                               max_model_len=4096, enable_prefix_caching=False),
                    engine_prefill=(16, 1024), engine_decode_ctx=(512, 64), engine_decode_batches=(1, 32, 256))
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     t0 = time.time()
-    ceil = measure_ceilings(cfg)
-    sections = [(bench_engine, not a.skip_engine), (bench_kernels, not a.skip_kernels), (bench_stack, a.stack)]
-    failed = 0
+    info = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
+                triton=triton.__version__, smoke=a.smoke)
+    state = {"failed": 0}
+
+    def report(final: bool, complete: bool = True) -> None:
+        """The table and the JSON so far (after each section, and when killed by ``timeout``)."""
+        info["total_s"] = time.time() - t0
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(info=info, rows=RECORDS, failed_sections=state["failed"],
+                               complete=final and complete), f, indent=2)
+        if final:
+            print()
+            print_table()
+            print(f"total {info['total_s']:.0f} s (includes Triton JIT compilation and CUDA-graph capture)")
+
+    def on_sigterm(signum, frame):  # `timeout` in gpu_check.sh: keep what was measured
+        print(f"\ngpu_bench.py: stopped by signal {signum}; the table so far:", flush=True)
+        report(final=True, complete=False)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    nan = float("nan")
+    ceil = {"bw": nan, "flops": nan}
+
+    def ceilings(cfg, _):
+        ceil.update(measure_ceilings(cfg))
+        info["ceilings"] = dict(ceil)
+
+    sections = [(ceilings, True), (bench_engine, not a.skip_engine), (bench_kernels, not a.skip_kernels),
+                (bench_stack, a.stack)]
     for fn, wanted in sections:
         if not wanted:
             continue
         try:  # one broken section must not cost the rest of the table on a short GPU lease
             fn(cfg, ceil)
         except Exception as e:
-            failed += 1
+            state["failed"] += 1
             traceback.print_exc()
             ROWS.append((f"{fn.__name__} FAILED", "-", "-", "-", f"{type(e).__name__}: {e}"[:80], "-", "-"))
-    print()
-    print_table()
-    total = time.time() - t0
-    print(f"total {total:.0f} s (includes Triton JIT compilation and CUDA-graph capture)")
-    if a.json:
-        info = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
-                    triton=triton.__version__, smoke=a.smoke, total_s=total, ceilings=ceil)
-        with open(a.json, "w") as f:
-            json.dump(dict(info=info, rows=RECORDS, failed_sections=failed), f, indent=2)
-    if failed:
-        sys.exit(f"gpu_bench.py: {failed} section(s) failed (tracebacks above)")
+        report(final=False)
+    report(final=True)
+    if state["failed"]:
+        sys.exit(f"gpu_bench.py: {state['failed']} section(s) failed (tracebacks above)")
 
 
 DEV = torch.device("cpu")

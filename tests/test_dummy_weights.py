@@ -84,3 +84,42 @@ def test_module_command_writes_a_dir_with_overrides(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             main([str(tmp_path / "n"), *bad])
         assert e.value.code == 2
+
+
+def test_run_latency_times_full_batch_decode_steps(dummy_dir):
+    """``bench latency``'s decode figure: steps where the whole batch decodes; with a chunked prefill
+    the first sequences start decoding (and finish) before the last ones, and those steps are left out."""
+    from tinyvllm.benchmarks.throughput import run_latency
+
+    llm = LLM(str(dummy_dir), load_format="dummy", **ENGINE)  # 16-token budget: 4 x 24 prompt tokens take 6 steps
+    r = run_latency(llm, input_len=24, output_len=12, batch_size=4, num_iters=1)
+    assert r["decode_batch"] == 4 and r["num_decode_steps"] >= 1
+    assert r["decode_tokens_per_s"] == pytest.approx(4 / r["decode_step_s"])
+    assert r["prefill_tokens_per_s"] == pytest.approx(4 * 24 / r["prefill_s"])
+    # Two new tokens each: the batch never decodes all together, so the mean batch of the decode steps is given.
+    r = run_latency(llm, input_len=24, output_len=2, batch_size=4, num_iters=1, seed=5)  # new prompts: no cache hit
+    assert 1 <= r["decode_batch"] < 4 and r["num_decode_steps"] >= 1
+    assert r["decode_tokens_per_s"] == pytest.approx(r["decode_batch"] / r["decode_step_s"])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_roofline_model_costs_match_the_model_built_from_the_config(tie):
+    """gpu_bench.py's rooflines rest on ``model_costs``: its parameter count must be the module's own."""
+    from tinyvllm.benchmarks.roofline import model_costs
+    from tinyvllm.model.llama import LlamaForCausalLM
+
+    cfg = dict(LLAMA_3_2_1B, tie_word_embeddings=tie)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_dict(cfg))
+    n = sum(p.numel() for p in model.parameters())
+    c = model_costs(cfg, 2)
+    assert c["params"] == n
+    head = cfg["vocab_size"] * cfg["hidden_size"]
+    layer_linear = sum(p.numel() for name, p in model.layers.named_parameters() if p.dim() == 2)
+    assert c["linear_flops_per_token"] == 2 * layer_linear
+    assert c["head_flops_per_row"] == 2 * head
+    # A decode step reads every weight once; a tied table is both the embedding and the head.
+    assert c["weight_bytes"] == 2 * (n if tie else n - head)
+    assert c["kv_bytes_per_token"] == LlamaConfig.from_dict(cfg).kv_bytes_per_token(torch.bfloat16)
+    if tie:
+        assert n == 1_235_814_400  # Llama-3.2-1B's published parameter count (its "1.24B")

@@ -128,12 +128,39 @@ def test_resolve_device_cuda_is_always_indexed(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no CUDA context made just to resolve
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("initialised CUDA"))
     assert resolve_device("cuda") == torch.device("cuda", 0)
     assert resolve_device("auto") == torch.device("cuda", 0)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     with pytest.raises(ValueError, match="only 2 CUDA device"):
         resolve_device("cuda:2")
+
+
+def test_model_runner_sets_an_indexed_cuda_device(tiny_dir, monkeypatch):
+    """``torch.cuda.set_device`` rejects a bare ``torch.device("cuda")``; the runner always passes an index."""
+    from tinyvllm.model.llama import load_model
+    from tinyvllm.worker.model_runner import ModelRunner
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def set_device(dev):
+        seen.append(dev)
+        raise Stop  # no CUDA here: stop before the KV cache is allocated
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    model = load_model(tiny_dir, torch.float32, "cpu")
+    for device in ("cuda", torch.device("cuda"), "cuda:1"):
+        with pytest.raises(Stop):
+            ModelRunner(model, 8, 4, torch.float32, device)
+    assert [d.index for d in seen] == [0, 0, 1] and all(d.type == "cuda" for d in seen)
 
 
 def test_cpu_engine_has_no_cuda_graphs(tiny_dir):

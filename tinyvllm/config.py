@@ -92,7 +92,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
                              f"(torch {torch.__version__}); use --device cpu")
         dev = torch.device(name)
         if dev.index is None:  # always an indexed device: torch.cuda.set_device rejects a bare "cuda"
-            return torch.device("cuda", torch.cuda.current_device())
+            # (device 0 unless CUDA is already initialised: the API process must not create a CUDA context)
+            return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
         if dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
         return dev

@@ -409,7 +409,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--endpoint",
         default=COMPLETIONS,
-        help="/v1/completions (default) or /v1/chat/completions ('completions'/'chat' also accepted)",
+        help="/v1/completions or /v1/chat/completions ('completions'/'chat' also accepted)",
     )
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")

@@ -91,16 +91,22 @@ def add_latency_args(p: argparse.ArgumentParser) -> None:
 def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, num_iters: int = 3,
                 seed: int = 0) -> dict[str, Any]:
     """Prefill speed (time until the last prompt token of the batch is computed, chunked by the
-    token budget) and decode speed (mean time of steps that compute no prompt token, with
-    ``batch_size`` sequences generating ``output_len`` tokens), best of ``num_iters``.
+    token budget) and decode speed: the mean time of the steps in which all ``batch_size`` sequences
+    decode and no prompt token is computed (when the prefill is chunked over several steps, the first
+    sequences finish before the last ones start, so steps of a smaller batch are left out; if there is
+    no full-batch step, every decode-only step counts and ``decode_batch`` says the mean batch). Best of
+    ``num_iters``; prefix caching is bypassed by fresh random prompts each iteration.
 
-    Prefix caching is bypassed by using fresh random prompts each iteration.
+    Returns:
+        dict with ``prefill_s`` (seconds), ``prefill_tokens_per_s``, ``decode_step_s`` (seconds),
+        ``decode_batch`` (sequences per timed step), ``decode_tokens_per_s`` and ``num_decode_steps``.
     """
     from tinyvllm.sampling_params import SamplingParams
 
     eng = llm.llm_engine
     vocab = eng.core.model.config.vocab_size
-    prefill_s, decode_step_s = [], []
+    prefill_s: list[float] = []
+    decode: list[tuple[float, float, int]] = []  # (step seconds, batch, steps timed) per iteration
     for it in range(num_iters):
         prompts = random_token_prompts(batch_size, input_len, vocab, seed + 1000 * it)
         sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -108,24 +114,29 @@ def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, 
             eng.add_request(p, sp)
         t0 = time.perf_counter()
         t1 = None
-        decode_times = []
+        steps: list[tuple[float, int]] = []  # decode-only steps: (seconds, sequences)
         while eng.has_unfinished_requests():
             ts = time.perf_counter()
             eng.step()
             te = time.perf_counter()
-            if eng.core.last_stats.step_prefill_tokens > 0:
+            st = eng.core.last_stats
+            if st.step_prefill_tokens > 0:
                 t1 = te  # the last step that still computed prompt tokens
-            else:
-                decode_times.append(te - ts)
+            elif st.step_decode_tokens > 0:
+                steps.append((te - ts, st.step_decode_tokens))
         prefill_s.append((t1 or time.perf_counter()) - t0)
-        if decode_times:
-            decode_step_s.append(sum(decode_times) / len(decode_times))
+        full = [t for t, n in steps if n == batch_size]
+        if full:
+            decode.append((sum(full) / len(full), batch_size, len(full)))
+        elif steps:
+            decode.append((sum(t for t, _ in steps) / len(steps), sum(n for _, n in steps) / len(steps), len(steps)))
     best_prefill = min(prefill_s)
-    best_step = min(decode_step_s) if decode_step_s else float("nan")
+    best_step, batch, n_steps = min(decode) if decode else (float("nan"), float(batch_size), 0)
     return {
         "input_len": input_len, "output_len": output_len, "batch_size": batch_size,
         "prefill_s": best_prefill, "prefill_tokens_per_s": batch_size * input_len / best_prefill,
-        "decode_step_s": best_step, "decode_tokens_per_s": batch_size / best_step,
+        "decode_step_s": best_step, "decode_batch": batch, "num_decode_steps": n_steps,
+        "decode_tokens_per_s": batch / best_step,
     }
 
 
