@@ -74,6 +74,18 @@ def parse_size(value: int | float | str) -> int:
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
+def check_device_name(device: str | torch.device) -> str:
+    """``device`` as a string, if it is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+
+    Raises:
+        ValueError: any other name.
+    """
+    name = str(device)
+    if not _DEVICE_RE.fullmatch(name):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    return name
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``auto`` -> ``cuda`` if ``torch.cuda.is_available()`` else ``cpu``; ``cuda`` -> ``cuda:N`` of the
     current CUDA device; other names as given.
@@ -81,9 +93,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     Raises:
         ValueError: an unknown device name, or CUDA asked for but not available.
     """
-    name = str(device)
-    if not _DEVICE_RE.fullmatch(name):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    name = check_device_name(device)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
@@ -133,8 +143,7 @@ class ModelConfig:
         parse_dtype(self.dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
-        if not _DEVICE_RE.fullmatch(str(self.device)):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device_name(self.device)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -174,15 +183,14 @@ class SchedulerConfig:
     """Iteration-level scheduler settings.
 
     Attributes:
-        max_num_batched_tokens: token budget per step (prefill chunks + decodes).
         max_num_seqs: most requests running at once.
         scheduling_policy: ``continuous`` (rebuild the batch every step, Orca-style
             iteration-level scheduling) or ``static`` (admit a new batch only when
             the previous one has fully finished; a baseline for measuring waste).
         enable_chunked_prefill: split prompts longer than the remaining budget.
-        max_num_batched_tokens: token budget per step (default 512). On the CPU a step's cost grows
-            with its tokens, so a smaller budget lets the first prompts of a burst finish prefill
-            sooner: at concurrency 16 (256-token prompts) median TTFT 331 ms at 512 vs 703 ms at
+        max_num_batched_tokens: token budget per step, prefill chunks + decodes (default 512).
+            On the CPU a step's cost grows with its tokens, so a smaller budget lets the first
+            prompts of a burst finish prefill sooner: at concurrency 16 (256-token prompts) median TTFT 331 ms at 512 vs 703 ms at
             2048, with the same throughput (570 vs 567 output tok/s) and offline 746 vs 751 tok/s
             (docs/benchmarks.md). GEMMs are already at full speed from ~256 rows.
         max_waiting_requests: bound on the waiting queue (the server answers 503

@@ -118,6 +118,23 @@ class AttentionMetadata:
     decode_only: bool = False
 
     @classmethod
+    def for_triton(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                   seq_lens_tensor: torch.Tensor, query_start_loc_tensor: torch.Tensor, decode_only: bool,
+                   query_start_loc: list[int] | None = None, seq_lens: list[int] | None = None
+                   ) -> "AttentionMetadata":
+        """Metadata of the Triton backend: device tensors only (``slot_mapping`` [T] int64,
+        ``block_tables`` [S, max_blocks] int64, ``seq_lens_tensor`` [S] and ``query_start_loc_tensor``
+        [S+1] int32), the CPU-path fields left empty. The CUDA-graph runner passes its static buffers."""
+        empty = torch.zeros(0, dtype=torch.int64, device=slot_mapping.device)
+        return cls(
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc or [], seq_lens=seq_lens or [],
+            block_tables=block_tables, block_size=block_size, decode_seq_ids=[], decode_token_idx=empty,
+            decode_slots=empty.view(0, 1), decode_mask=torch.zeros(0, 1, dtype=torch.bool, device=empty.device),
+            prefill_seq_ids=[], prefill_slots=[], seq_lens_tensor=seq_lens_tensor,
+            query_start_loc_tensor=query_start_loc_tensor, decode_only=decode_only,
+        )
+
+    @classmethod
     def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu") -> "AttentionMetadata":
         """Build metadata from per-sequence query lengths, context lengths and block tables.
@@ -143,16 +160,10 @@ class AttentionMetadata:
             slot_chunks.append(all_slots[i, s - q: s])
         slot_mapping = torch.cat(slot_chunks) if slot_chunks else torch.zeros(0, dtype=torch.int64)
         if use_triton(device):
-            return cls(
-                slot_mapping=slot_mapping.to(device), query_start_loc=qsl, seq_lens=list(seq_lens),
-                block_tables=bt.to(device), block_size=block_size, decode_seq_ids=[],
-                decode_token_idx=torch.zeros(0, dtype=torch.int64, device=device),
-                decode_slots=torch.zeros(0, 1, dtype=torch.int64, device=device),
-                decode_mask=torch.zeros(0, 1, dtype=torch.bool, device=device), prefill_seq_ids=[], prefill_slots=[],
-                seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-                query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32).to(device),
-                decode_only=all(q == 1 for q in query_lens),
-            )
+            return cls.for_triton(slot_mapping.to(device), bt.to(device), block_size,
+                                  torch.tensor(seq_lens, dtype=torch.int32).to(device),
+                                  torch.tensor(qsl, dtype=torch.int32).to(device),
+                                  all(q == 1 for q in query_lens), qsl, list(seq_lens))
 
         dec = [i for i, q in enumerate(query_lens) if q == 1]
         pre = [i for i, q in enumerate(query_lens) if q > 1]
@@ -237,7 +248,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Returns:
         [T, Hq, D] attention output, dtype of ``q``.
     """
-    if q.is_cuda or os.environ.get("TINYVLLM_ATTENTION") == "triton":
+    if use_triton(q.device):
         from tinyvllm.attention import triton_backend  # lazy: imports triton
 
         return triton_backend.paged_attention(q, k, v, kv_cache, md, scale)

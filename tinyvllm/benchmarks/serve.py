@@ -428,7 +428,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="number of requests (random/shared-prefix default 100; agent: sessions*turns)")
     g.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
     g.add_argument("--output-len", type=int, default=None,
-                   help="output tokens (default: random 128, shared-prefix 64, agent 30)")
+                   help="output tokens (none: random 128, shared-prefix 64, agent 30)")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: draw lengths uniformly from [L*(1-r), L*(1+r)]")
     g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of prefixes")

@@ -60,6 +60,12 @@ def run_throughput(llm: Any, num_prompts: int, input_len: int, output_len: int, 
     }
 
 
+def _write_result(path: str | None, res: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(res, indent=2, default=str))
+
+
 def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     from tinyvllm.entrypoints.llm import LLM
 
@@ -68,15 +74,13 @@ def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> 
     run_throughput(llm, 2, 16, 4, seed=12345)
     res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset_seed,
                          args.min_output_len)
-    res["engine"] = {k: v for k, v in engine_kwargs.items()}
+    res["engine"] = dict(engine_kwargs)
     print(f"{'requests':>10} {'in':>6} {'out':>6} {'elapsed s':>10} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10}"
           f" {'steps':>6} {'seqs/step':>9}")
     print(f"{res['num_prompts']:>10} {res['input_len']:>6} {res['output_len']:>6} {res['elapsed_s']:>10.2f} "
           f"{res['requests_per_s']:>8.2f} {res['output_tokens_per_s']:>10.1f} {res['total_tokens_per_s']:>10.1f}"
           f" {res['num_steps']:>6} {res['mean_decode_batch']:>9.2f}")
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(res, indent=2, default=str))
+    _write_result(args.result_file, res)
     return res
 
 
@@ -150,7 +154,5 @@ def main_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dic
     print(f"{'dtype':>9} {'batch':>6} {'in':>6} {'prefill s':>10} {'prefill tok/s':>14} {'step ms':>8} {'decode tok/s':>13}")
     print(f"{str(engine_kwargs.get('dtype')):>9} {res['batch_size']:>6} {res['input_len']:>6} {res['prefill_s']:>10.3f} "
           f"{res['prefill_tokens_per_s']:>14.1f} {res['decode_step_s'] * 1000:>8.2f} {res['decode_tokens_per_s']:>13.1f}")
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(res, indent=2, default=str))
+    _write_result(args.result_file, res)
     return res

@@ -370,14 +370,16 @@ class AsyncLLM:
                     f"{self.max_waiting_requests}); retry later")
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> RequestStream:
-        """Validate, admit and send a request to the core; returns the stream of its delta outputs.
+                    arrival_time: float | None = None, *, checked: bool = False) -> RequestStream:
+        """Validate (unless ``checked``: the caller ran :meth:`check_request`), admit and send a request
+        to the core; returns the stream of its delta outputs.
 
         Raises:
             InvalidRequestError: see :meth:`check_request`.
             EngineOverloadedError, EngineShutdownError, EngineDeadError: see :meth:`check_admission`.
         """
-        self.check_request(prompt_token_ids, params)
+        if not checked:
+            self.check_request(prompt_token_ids, params)
         self.check_admission()
         if request_id in self._queues:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from tinyvllm.config import DEFAULT_MODEL
+from tinyvllm.config import DEFAULT_MODEL, LOAD_FORMATS
 
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows the defaults
@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run every step eagerly (no CUDA-graph capture of the decode step)")
-    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                    help="auto: read the model's weights; dummy: seeded random weights of the shapes in config.json "
                         "(a directory with config.json and tokenizer files is enough; for benchmarks)")
 

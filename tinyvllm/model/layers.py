@@ -105,7 +105,8 @@ class RotaryEmbedding(nn.Module):
         self._cos_sin: torch.Tensor | None = None
         self.max_position = max_position
 
-    def _table(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full cos and sin tables, each [>= needed, D/2] float32 (built once, grown if needed)."""
         if self._cos is None or self._cos.shape[0] < needed:
             n = max(needed, self.max_position)
             pos = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)
@@ -113,22 +114,12 @@ class RotaryEmbedding(nn.Module):
             self._cos, self._sin = freqs.cos(), freqs.sin()
         return self._cos, self._sin
 
-    def tables(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full cos and sin tables, each [>= needed, D/2] float32."""
-        return self._table(needed)
-
     def cos_sin_cache(self, needed: int) -> torch.Tensor:
         """cos and sin side by side, [>= needed, D] float32 (the Triton rotary kernel's table)."""
-        cos, sin = self._table(needed)
+        cos, sin = self.tables(needed)
         if self._cos_sin is None or self._cos_sin.shape[0] != cos.shape[0]:
             self._cos_sin = torch.cat([cos, sin], dim=-1).contiguous()
         return self._cos_sin
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``positions`` [T] (int64): each [T, 1, D/2] float32 (computed once per step)."""
-        needed = self.max_position if positions.is_cuda else (int(positions.max().item()) + 1 if positions.numel() else 1)
-        cos_t, sin_t = self._table(needed)
-        return cos_t[positions].unsqueeze(1), sin_t[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

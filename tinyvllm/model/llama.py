@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.backend import AttentionMetadata, paged_attention
+from tinyvllm.config import LOAD_FORMATS
 from tinyvllm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
@@ -148,7 +149,7 @@ class RopeInputs:
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at each token's position: [T, 1, D/2] float32 each."""
         if self._gathered is None:
-            self._gathered = self.rotary.cos_sin(self.positions)
+            self._gathered = (self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1))
         return self._gathered
 
 
@@ -421,8 +422,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     """
     from safetensors import safe_open
 
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     cfg = LlamaConfig.from_dir(model_dir)
     with torch.device("meta"):

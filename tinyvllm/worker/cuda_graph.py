@@ -79,15 +79,9 @@ class DecodeGraphRunner:
 
     # ------------------------------------------------------------------ forward over the static buffers
     def _metadata(self, bs: int) -> AttentionMetadata:
-        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=list(range(bs + 1)), seq_lens=[],
-            block_tables=self.block_tables[:bs], block_size=self.block_size, decode_seq_ids=[],
-            decode_token_idx=empty, decode_slots=empty.view(0, 1),
-            decode_mask=torch.zeros(0, 1, dtype=torch.bool, device=self.device), prefill_seq_ids=[],
-            prefill_slots=[], token_seq=None, token_pos=None, seq_lens_tensor=self.seq_lens[:bs],
-            query_start_loc_tensor=self.query_start_loc[: bs + 1], decode_only=True,
-        )
+        return AttentionMetadata.for_triton(self.slot_mapping[:bs], self.block_tables[:bs], self.block_size,
+                                            self.seq_lens[:bs], self.query_start_loc[: bs + 1], True,
+                                            list(range(bs + 1)))
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._metadata(bs))

@@ -42,14 +42,14 @@ logger = logging.getLogger("tinyvllm.api_server")
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """HTTP server flags (vLLM's names)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the model is served under (default: the model's name); the first is reported")
+                   help="name(s) the model is served under (none: the model's name); the first is reported")
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many requests are waiting for the engine (default: unbounded)")
+                   help="answer 503 while this many requests are waiting for the engine (none: unbounded)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-                   help="log level of the server and engine (default info)")
+                   help="log level of the server and engine")
 
 
 # ----------------------------------------------------------------------------- app

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response models (pydantic), with vLLM's extensions.
+"""OpenAI-compatible request models (pydantic), with vLLM's extensions.
 
 Requests accept the OpenAI fields plus vLLM's sampling extensions (``top_k``,
 ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
@@ -6,12 +6,13 @@ Requests accept the OpenAI fields plus vLLM's sampling extensions (``top_k``,
 Unknown fields are ignored, as OpenAI-style servers do. Value ranges are
 checked by :class:`~tinyvllm.sampling_params.SamplingParams`, whose
 ``ValueError`` names the field (the server answers 400 with ``param`` set).
+Responses are plain dicts encoded with msgspec in
+:mod:`tinyvllm.entrypoints.openai.serving`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,37 +23,12 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-# ----------------------------------------------------------------------------- errors
-
-
-class ErrorInfo(OpenAIBaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(OpenAIBaseModel):
-    error: ErrorInfo
-
-
 # ----------------------------------------------------------------------------- shared
 
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
-
-
-class PromptTokensDetails(OpenAIBaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -131,30 +107,6 @@ class CompletionRequest(_SamplingFields):
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
-class CompletionLogprobs(OpenAIBaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
 # ----------------------------------------------------------------------------- chat
 
 
@@ -187,57 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class ChatLogprobTop(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(ChatLogprobTop):
-    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIBaseModel):
-    content: list[ChatLogprobToken] | None = None
-
-
-class ChatResponseMessage(OpenAIBaseModel):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-
-
-# ----------------------------------------------------------------------------- models, tokenize
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "tinyvllm"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
+# ----------------------------------------------------------------------------- tokenize
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -251,16 +153,6 @@ class TokenizeRequest(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeResponse(OpenAIBaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBaseModel):
-    prompt: str

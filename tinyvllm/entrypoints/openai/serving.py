@@ -42,6 +42,8 @@ _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_p
                     "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
                     "top_logprobs", "prompt", "messages"}
 _json = msgspec.json.Encoder()
+# What a request can fail with that is answered as an error object (400 / 503 / 500), not a traceback.
+_REQUEST_ERRORS = (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -180,6 +182,23 @@ def _accumulate(ch: _Choice, c: Any) -> None:
         ch.logprobs.extend(c.logprobs)
     if c.finish_reason is not None:
         ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+
+
+async def _collect(streams: list[RequestStream], n: int) -> tuple[dict[int, _Choice], int]:
+    """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
+    returns them and the prompt tokens served from the prefix cache. Aborts the streams when done."""
+    choices = {i: _Choice() for i in range(len(streams) * n)}
+    cached = [0] * len(streams)
+    try:
+        async with contextlib.aclosing(iterate_streams(streams)) as it:
+            async for pi, out in it:
+                cached[pi] = out.num_cached_tokens
+                for c in out.outputs:
+                    _accumulate(choices[pi * n + c.index], c)
+    finally:
+        for s in streams:
+            s.abort()
+    return choices, sum(cached)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
@@ -339,7 +358,7 @@ class OpenAIServing:
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(self.engine.add_request(rid, text, ids, params, arrival))
+                streams.append(self.engine.add_request(rid, text, ids, params, arrival, checked=True))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -356,7 +375,7 @@ class OpenAIServing:
             prompts = self._completion_prompts(req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival)
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+        except _REQUEST_ERRORS as e:
             return exception_response(e)
         model = self._response_model(req.model)
         created = int(time.time())
@@ -378,19 +397,10 @@ class OpenAIServing:
     async def _completion_full(self, req: CompletionRequest, params: SamplingParams, prompts: list, streams: list,
                                request_id: str, model: str, created: int) -> Response:
         n = params.n
-        choices = {i: _Choice() for i in range(len(prompts) * n)}
-        cached = [0] * len(prompts)
         try:
-            async with contextlib.aclosing(iterate_streams(streams)) as it:
-                async for pi, out in it:
-                    cached[pi] = out.num_cached_tokens
-                    for c in out.outputs:
-                        _accumulate(choices[pi * n + c.index], c)
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+            choices, cached = await _collect(streams, n)
+        except _REQUEST_ERRORS as e:
             return exception_response(e)
-        finally:
-            for s in streams:
-                s.abort()
         out_choices = []
         for idx, ch in choices.items():
             pi = idx // n
@@ -405,7 +415,7 @@ class OpenAIServing:
             out_choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
                                 "stop_reason": ch.stop_reason})
         usage = _usage(sum(len(ids) for _, ids in prompts), sum(len(ch.token_ids) for ch in choices.values()),
-                       sum(cached))
+                       cached)
         return Response(_json.encode({"id": request_id, "object": "text_completion", "created": created,
                                       "model": model, "choices": out_choices, "usage": usage}),
                         media_type="application/json")
@@ -426,8 +436,9 @@ class OpenAIServing:
                         ch.token_ids.extend(c.token_ids)
                         text = c.text
                         if req.echo and not ch.started:
-                            text = self._prompt_text(prompts, pi) + text
-                            ch.text_offset = len(self._prompt_text(prompts, pi))
+                            prompt_text = self._prompt_text(prompts, pi)
+                            text = prompt_text + text
+                            ch.text_offset = len(prompt_text)
                         lp = None
                         if params.logprobs is not None and c.logprobs:
                             lp = self._completion_logprobs(c.token_ids, c.logprobs, params.logprobs, ch)
@@ -446,7 +457,7 @@ class OpenAIServing:
                 yield _sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage})
             yield _DONE
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+        except _REQUEST_ERRORS as e:
             yield _sse(error_body(str(e), status_of(e)))
             yield _DONE
         finally:
@@ -465,7 +476,7 @@ class OpenAIServing:
             ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt, req.continue_final_message)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, [(None, ids)], params, arrival)
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+        except _REQUEST_ERRORS as e:
             return exception_response(e, renames)
         model = self._response_model(req.model)
         created = int(time.time())
@@ -478,17 +489,10 @@ class OpenAIServing:
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
                          model: str, created: int, top_n: int | None) -> Response:
-        choices = {i: _Choice() for i in range(params.n)}
-        cached = 0
         try:
-            async for out in stream:
-                cached = out.num_cached_tokens
-                for c in out.outputs:
-                    _accumulate(choices[c.index], c)
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+            choices, cached = await _collect([stream], params.n)
+        except _REQUEST_ERRORS as e:
             return exception_response(e)
-        finally:
-            stream.abort()
         out_choices = []
         for idx, ch in choices.items():
             lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
@@ -533,7 +537,7 @@ class OpenAIServing:
                 yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(len(ids), completion_tokens, cached)})
             yield _DONE
-        except (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError) as e:
+        except _REQUEST_ERRORS as e:
             yield _sse(error_body(str(e), status_of(e)))
             yield _DONE
         finally:
