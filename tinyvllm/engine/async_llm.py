@@ -34,6 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from tinyvllm import envs
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core import EngineCoreRequest
 from tinyvllm.engine.core_proc import (ABORT, ADD, ERROR, OUTPUTS, READY, RESET_CACHE, SHUTDOWN, EngineCoreOutputs,
@@ -48,7 +49,7 @@ from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tinyvllm.async_llm")
 
-DEFAULT_START_TIMEOUT_S = float(os.environ.get("TINYVLLM_ENGINE_START_TIMEOUT", "600"))
+DEFAULT_START_TIMEOUT_S = envs.TINYVLLM_ENGINE_START_TIMEOUT
 
 
 class EngineStartError(RuntimeError):

@@ -9,13 +9,13 @@ API server) sends :class:`EngineCoreRequest` and receives
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
+from tinyvllm import envs
 from tinyvllm.config import EngineConfig, resolve_device
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.request import Request
@@ -77,7 +77,7 @@ class EngineCore:
         mc.device = str(self.device)
         self.resolved = resolved or resolve_model(mc.model, mc.load_format)
         torch.manual_seed(mc.seed)
-        threads = int(os.environ.get("TINYVLLM_NUM_THREADS", "0") or 0)
+        threads = envs.TINYVLLM_NUM_THREADS
         if threads > 0:
             torch.set_num_threads(threads)
         t0 = time.monotonic()

@@ -50,8 +50,9 @@ class ResolvedModel:
 
 def cache_root() -> Path:
     """``$TINYVLLM_CACHE`` or ``~/.cache/tinyvllm``."""
-    env = os.environ.get("TINYVLLM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tinyvllm"
+    from tinyvllm import envs
+
+    return envs.TINYVLLM_CACHE
 
 
 def _find_alias_gguf(alias: str) -> Path:

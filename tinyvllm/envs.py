@@ -1,0 +1,42 @@
+"""Every environment variable tinyvllm reads, in one place (as vLLM's ``envs.py``).
+
+Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test's
+``monkeypatch.setenv`` takes effect. Nothing here imports torch.
+
+| variable | default | what it does |
+|---|---|---|
+| ``TINYVLLM_CACHE`` | ``~/.cache/tinyvllm`` | converted GGUF models and the C++ kernel builds |
+| ``TINYVLLM_ATTENTION`` | ``auto`` | force an attention backend: ``cpu`` (C++ kernels), ``torch`` (PyTorch float64 reference, no C++ at all) or ``triton`` (Triton kernels; on the CPU only with ``TRITON_INTERPRET=1``, for tests); ``cpp`` is an old name of ``cpu`` |
+| ``TINYVLLM_NUM_THREADS`` | ``0`` (torch's default) | torch thread count of the engine core |
+| ``TINYVLLM_ENGINE_START_TIMEOUT`` | ``600`` | seconds the API process waits for the engine core to load |
+| ``TINYVLLM_API_KEY`` | unset | (read by the server, see its ``--api-key``) |
+
+Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
+``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set),
+``TRITON_INTERPRET`` (read by triton), ``TOKENIZERS_PARALLELISM``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+_VARS: dict[str, Callable[[], Any]] = {
+    "TINYVLLM_CACHE": lambda: (Path(os.environ["TINYVLLM_CACHE"]).expanduser() if os.environ.get("TINYVLLM_CACHE")
+                               else Path.home() / ".cache" / "tinyvllm"),
+    "TINYVLLM_ATTENTION": lambda: (os.environ.get("TINYVLLM_ATTENTION") or "auto").lower(),
+    "TINYVLLM_NUM_THREADS": lambda: int(os.environ.get("TINYVLLM_NUM_THREADS") or 0),
+    "TINYVLLM_ENGINE_START_TIMEOUT": lambda: float(os.environ.get("TINYVLLM_ENGINE_START_TIMEOUT") or 600),
+    "TINYVLLM_API_KEY": lambda: os.environ.get("TINYVLLM_API_KEY") or None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _VARS:
+        return _VARS[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(_VARS)
