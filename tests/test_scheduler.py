@@ -14,12 +14,13 @@ from __future__ import annotations
 import random
 import weakref
 
+import msgspec
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.scheduler import Scheduler, SchedulerOutput
-from tinyvllm.engine.request import Request, RequestStatus
+from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sampling_params import SamplingParams
 
 EOS = 2
@@ -66,37 +67,86 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class View:
+    """One request's share of a step, as the fake worker reconstructs it from the data-only schedule:
+    ``block_ids`` is the worker's own copy of the block table, ``request`` the scheduler's object."""
+
+    def __init__(self, request: Request, num_new_tokens: int, block_ids: list[int], samples: bool) -> None:
+        self.request, self.num_new_tokens, self.block_ids, self.samples = request, num_new_tokens, block_ids, samples
+
+
 class FakeRunner:
-    """Stands in for the model runner: writes scheduled tokens' "KV", reads contexts back."""
+    """Stands in for the model runner: keeps its own per-request state from the data-only schedule
+    (as the real runner does), writes scheduled tokens' "KV", reads contexts back."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.bs = sched.block_size
         self.kv = [None] * (sched.kv.num_blocks * self.bs)
+        self.tokens: dict[str, list[int]] = {}    # the worker's token history per request
+        self.tables: dict[str, list[int]] = {}    # the worker's block table per request
+        self.computed: dict[str, int] = {}
+        self._last: tuple[SchedulerOutput, list[View]] | None = None  # the last schedule applied, its views
+
+    def apply(self, out: SchedulerOutput) -> list[View]:
+        """Apply the schedule to the worker's state (once per schedule) and return its views."""
+        if self._last is not None and self._last[0] is out:
+            return self._last[1]
+        sent = out
+        # The schedule is data: the worker works from a copy that crossed a (msgpack) process boundary.
+        out = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=SchedulerOutput)
+        assert out == sent
+        for rid in out.finished_req_ids:
+            assert rid in self.tokens, f"finished {rid} was never sent to the worker"
+            del self.tokens[rid], self.tables[rid], self.computed[rid]
+        for new in out.scheduled_new_reqs:
+            assert new.req_id not in self.tokens, f"{new.req_id} sent as new twice"
+            self.tokens[new.req_id] = list(new.prompt_token_ids)
+            self.tables[new.req_id] = list(new.block_ids)
+            self.computed[new.req_id] = new.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for rid, resumed, blocks, computed in zip(c.req_ids, c.resumed_from_preemption, c.new_block_ids,
+                                                  c.num_computed_tokens):
+            assert rid in self.tokens, f"cached {rid} unknown to the worker"
+            self.tables[rid] = list(blocks) if resumed else self.tables[rid] + list(blocks)
+            self.computed[rid] = computed
+        views = []
+        for rid, n in out.num_scheduled_tokens.items():
+            r = self.sched.requests[rid]
+            # The worker's copy agrees with the scheduler's state: tokens, block table, progress.
+            assert self.tokens[rid] == r.all_token_ids, f"{rid}: worker's tokens differ from the scheduler's"
+            assert self.tables[rid] == self.sched.kv.get_block_ids(rid), f"{rid}: worker's block table differs"
+            assert self.computed[rid] == r.num_computed_tokens
+            views.append(View(r, n, self.tables[rid], self.computed[rid] + n == len(self.tokens[rid])))
+        self._last = (sent, views)
+        return views
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         bs = self.bs
+        views = self.apply(out)
         # Like each layer of the model: first write the whole batch's new KV...
-        for s in out.scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            assert end <= r.num_tokens
-            assert len(s.block_ids) * bs >= end, "block table too short for the step"
+        for v in views:
+            rid = v.request.request_id
+            tokens = self.tokens[rid]
+            start, end = self.computed[rid], self.computed[rid] + v.num_new_tokens
+            assert end <= len(tokens)
+            assert len(v.block_ids) * bs >= end, "block table too short for the step"
             for pos in range(start, end):
-                self.kv[s.block_ids[pos // bs] * bs + pos % bs] = r.all_token_ids[pos]
+                self.kv[v.block_ids[pos // bs] * bs + pos % bs] = tokens[pos]
         # ...then attend over the cache: the context must be exactly the request's tokens.
         sampled = {}
-        for s in out.scheduled:
-            if not s.samples:
+        for v in views:
+            if not v.samples:
                 continue
-            r = s.request
-            n = r.num_computed_tokens + s.num_new_tokens
+            rid = v.request.request_id
+            n = self.computed[rid] + v.num_new_tokens
             ctx = []
             for i in range(blocks_needed(n, bs)):
-                b = s.block_ids[i]
+                b = v.block_ids[i]
                 ctx.extend(self.kv[b * bs:b * bs + min(bs, n - i * bs)])
-            assert ctx == r.all_token_ids[:n], f"request {r.request_id}: KV context differs from its tokens"
-            sampled[r.request_id] = next_token(ctx)
+            assert ctx == self.tokens[rid][:n], f"request {rid}: KV context differs from its tokens"
+            sampled[rid] = next_token(ctx)
+            self.tokens[rid].append(sampled[rid])  # the worker's own token history
         return sampled
 
     def step(self, out: SchedulerOutput):
@@ -129,7 +179,12 @@ def run_to_completion(sched: Scheduler, max_steps=10_000, on_step=None):
 
 
 def ids(out: SchedulerOutput) -> list[str]:
-    return [s.request.request_id for s in out.scheduled]
+    return list(out.num_scheduled_tokens)
+
+
+def scheduled(sched: Scheduler, out: SchedulerOutput) -> list[View]:
+    """The step's requests as the worker sees them (its state updated from ``out``)."""
+    return runner_of(sched).apply(out)
 
 
 def toks(seed: int, n: int) -> list[int]:
@@ -240,21 +295,21 @@ def test_scheduler_invariants_under_random_load(sc):
 
         # Limits.
         assert out.total_num_scheduled_tokens <= budget
-        assert len(out.scheduled) <= max_seqs
+        assert len(out.num_scheduled_tokens) <= max_seqs
         assert len(sched.running) <= max_seqs
         assert len(set(sched_ids)) == len(sched_ids)
-        assert all(s.num_new_tokens >= 1 for s in out.scheduled)
+        assert all(s.num_new_tokens >= 1 for s in scheduled(sched, out))
         assert out.num_prefill_tokens + out.num_decode_tokens == out.total_num_scheduled_tokens
         # Never schedule a finished or aborted request.
         assert not (set(sched_ids) & (aborted | finished))
         # Preemption victims are the most recently admitted running requests, newest first,
         # and are not scheduled in the same step; nothing is admitted in a step that preempts.
-        total_preempted += len(out.preempted)
-        assert out.preempted == pre_running[::-1][:len(out.preempted)]
-        assert not set(out.preempted) & set(sched_ids)
-        if out.preempted:
+        total_preempted += len(out.preempted_req_ids)
+        assert out.preempted_req_ids == pre_running[::-1][:len(out.preempted_req_ids)]
+        assert not set(out.preempted_req_ids) & set(sched_ids)
+        if out.preempted_req_ids:
             assert set(sched_ids) <= set(pre_running)
-        for rid in out.preempted:
+        for rid in out.preempted_req_ids:
             r = objs[rid]
             assert r.status == RequestStatus.PREEMPTED and r.num_computed_tokens == 0
             assert sched.kv.get_block_ids(rid) == []
@@ -265,10 +320,10 @@ def test_scheduler_invariants_under_random_load(sc):
         assert sched_ids[n_run:] == pre_waiting[:len(sched_ids) - n_run]
         # No running decode is starved when the budget covers one token per sequence.
         if budget >= max_seqs:
-            assert set(pre_running) - set(out.preempted) <= set(sched_ids)
+            assert set(pre_running) - set(out.preempted_req_ids) <= set(sched_ids)
         # Progress: an empty step with work to do only happens right after a preemption.
-        if sched.has_unfinished_requests() and not out.scheduled:
-            assert out.preempted
+        if sched.has_unfinished_requests() and out.is_empty:
+            assert out.preempted_req_ids
         if static:
             # A new batch (the first max_num_seqs waiting requests) is formed only once every
             # member of the previous one has finished; only the current batch ever runs.
@@ -278,7 +333,7 @@ def test_scheduler_invariants_under_random_load(sc):
                     batch = set(pre_waiting[:max_seqs])
                     assert rid in batch
             assert {r.request_id for r in sched.running} <= batch
-        for s in out.scheduled:
+        for s in scheduled(sched, out):
             r = s.request
             check_monotone(r)
             if r.request_id not in pre_running:  # (re)admitted: starts at a prefix-cache hit
@@ -313,6 +368,8 @@ def test_scheduler_invariants_under_random_load(sc):
 
     assert sched.kv.num_owned_blocks() == 0
     assert not sched.requests and not sched.kv.req_to_blocks
+    runner.apply(sched.schedule())  # the last finishes reach the worker with the next schedule
+    assert not runner.tokens and not runner.tables, "the worker kept state of finished requests"
     assert finished | aborted == set(by_id)
     assert sched.stats.num_preemptions == total_preempted
     for rid in finished - aborted:
@@ -332,8 +389,8 @@ def test_long_prompt_is_chunked_at_budget_boundaries():
     runner = runner_of(sched)
     for start in (0, 2048, 4096, 6144):
         out = sched.schedule()
-        assert len(out.scheduled) == 1
-        s = out.scheduled[0]
+        assert len(out.num_scheduled_tokens) == 1
+        s = scheduled(sched, out)[0]
         assert req.num_computed_tokens == start and s.num_new_tokens == 2048
         assert s.samples == (start == 6144)
         assert len(s.block_ids) == (start + 2048) // 16
@@ -345,7 +402,7 @@ def test_long_prompt_is_chunked_at_budget_boundaries():
     # Then it decodes one token per step.
     for n in (8192, 8193):
         out = sched.schedule()
-        assert req.num_computed_tokens == n and out.scheduled[0].num_new_tokens == 1
+        assert req.num_computed_tokens == n and scheduled(sched, out)[0].num_new_tokens == 1
         assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 0
         runner.step(out)
     assert req.status == RequestStatus.FINISHED_LENGTH and req.num_output_tokens == 3
@@ -366,7 +423,7 @@ def test_decodes_are_not_starved_by_a_chunked_prefill():
     chunks = []
     while long.num_output_tokens == 0:
         out = sched.schedule()
-        by = {s.request.request_id: s for s in out.scheduled}
+        by = {s.request.request_id: s for s in scheduled(sched, out)}
         # Every decoding request gets exactly one token, ahead of the prefill...
         assert ids(out)[:3] == ["d0", "d1", "d2"]
         assert all(by[r.request_id].num_new_tokens == 1 and by[r.request_id].samples for r in decoders)
@@ -393,7 +450,7 @@ def test_continuous_batching_admits_a_waiting_request_the_very_next_step():
     step = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        for s in out.scheduled:
+        for s in scheduled(sched, out):
             admitted_step.setdefault(s.request.request_id, step)
         # max_num_seqs stays saturated while there is waiting work.
         assert len(sched.running) == min(3, len(sched.running) + len(sched.waiting))
@@ -421,7 +478,7 @@ def test_static_batching_waits_for_the_whole_batch():
     batches: list[set[str]] = []
 
     def on_step(out):
-        new = {s.request.request_id for s in out.scheduled if s.request.num_computed_tokens == 0}
+        new = {s.request.request_id for s in scheduled(sched, out) if s.request.num_computed_tokens == 0}
         if new:
             # Admission only into an empty engine: all of the previous batch has finished.
             assert {r.request_id for r in sched.running} == new
@@ -446,7 +503,7 @@ def test_static_batch_admitted_over_several_steps_stays_the_same_batch():
     concurrent: list[set[str]] = []
 
     def on_step(out):
-        admitted.extend(s.request.request_id for s in out.scheduled if s.request.num_computed_tokens == 0)
+        admitted.extend(s.request.request_id for s in scheduled(sched, out) if s.request.num_computed_tokens == 0)
         concurrent.append({r.request_id for r in sched.running})
 
     run_to_completion(sched, on_step=on_step)
@@ -494,11 +551,11 @@ def test_preemption_of_the_newest_request_and_recompute(prefix_caching):
         assert step < 1000
         before = [r.request_id for r in sched.running]
         out = sched.schedule()
-        if out.preempted:
+        if out.preempted_req_ids:
             # The victims are the most recently admitted running requests.
-            assert out.preempted == before[::-1][:len(out.preempted)]
-            preempted_events.extend(out.preempted)
-        for s in out.scheduled:
+            assert out.preempted_req_ids == before[::-1][:len(out.preempted_req_ids)]
+            preempted_events.extend(out.preempted_req_ids)
+        for s in scheduled(sched, out):
             r = s.request
             if r.request_id not in before and r.num_preemptions > 0:
                 hit = r.num_computed_tokens
@@ -577,7 +634,7 @@ def test_prefix_cache_hit_across_requests():
     out = sched.schedule()
     # 64 tokens = 4 full blocks, but the last token must be computed: the 4th block is not reused.
     assert second.num_cached_tokens == 48 and second.num_computed_tokens == 48
-    assert out.scheduled[0].num_new_tokens == 16
+    assert scheduled(sched, out)[0].num_new_tokens == 16
     assert sched.stats.prefix_cache_hits == hits_before + 48
     assert sched.stats.cached_prompt_tokens == 48
     runner_of(sched).step(out)

@@ -174,16 +174,17 @@ def test_protocol_to_sampling_params():
 
 def test_admission_check_and_delta_merge():
     from tinyvllm.engine.async_llm import AsyncLLM, EngineOverloadedError, _merge_delta
+    from tinyvllm.metrics.stats import SchedulerStats
     from tinyvllm.outputs import CompletionOutput, RequestOutput
 
     eng = AsyncLLM.__new__(AsyncLLM)  # no process: only the bookkeeping
     eng._dead, eng._accepting, eng.max_waiting_requests = None, True, 3
-    eng.stats, eng._num_sent = {"num_waiting": 1, "num_added": 4}, 5  # 1 waiting + 1 in transit
+    eng.stats, eng._num_sent = SchedulerStats(num_waiting=1, num_added=4), 5  # 1 waiting + 1 in transit
     eng.check_admission()
     eng._num_sent = 6
     with pytest.raises(EngineOverloadedError):
         eng.check_admission()
-    eng.stats = {"num_waiting": 0, "num_added": 6}
+    eng.stats = SchedulerStats(num_waiting=0, num_added=6)
     eng.check_admission()
 
     a = RequestOutput("r", None, [1], [CompletionOutput(0, "he", [5]), CompletionOutput(1, "x", [7])], False)
@@ -196,16 +197,23 @@ def test_admission_check_and_delta_merge():
 def test_core_messages_round_trip():
     import msgspec
 
-    from tinyvllm.engine.core import EngineCoreOutput, EngineCoreRequest
-    from tinyvllm.engine.core_proc import EngineCoreOutputs, encode
+    from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                                          EngineCoreRequest, encode)
+    from tinyvllm.metrics.stats import IterationStats, SchedulerStats
+    from tinyvllm.outputs import TokenLogprobs
     from tinyvllm.sampling_params import SamplingParams
-    from tinyvllm.worker.model_runner import TokenLogprobs
 
     req = EngineCoreRequest("a", [1, 2], SamplingParams(temperature=0.5, stop=["x"], seed=3, max_tokens=None), [2], 1.5)
     assert msgspec.msgpack.decode(encode([req]), type=list[EngineCoreRequest]) == [req]
     out = EngineCoreOutputs([EngineCoreOutput("a", [5], [TokenLogprobs(5, -0.1, 1, [(5, -0.1), (6, -2.0)])], "stop",
-                                              "x", 2, 0)], [("b", "too long")], {"num_running": 1}, 3.0)
-    assert msgspec.msgpack.decode(encode(out), type=EngineCoreOutputs) == out
+                                              "x", 2, 0)], [("b", "too long")],
+                            SchedulerStats(num_running=1, kv_blocks_used=3, kv_blocks_total=8, num_added=2),
+                            IterationStats(num_prefill_tokens=7, num_decode_tokens=1, step_seconds=0.01), 3.0)
+    back = msgspec.msgpack.decode(encode(out), type=EngineCoreOutputs)
+    assert back == out and back.scheduler_stats.kv_cache_usage == 3 / 8
+    ready = EngineCoreReady(1, 512, 100, [2, 3], 64, 16, 1.5, "m")
+    assert msgspec.msgpack.decode(encode(ready), type=EngineCoreReady) == ready
+    assert msgspec.msgpack.decode(encode(EngineCoreError("x")), type=EngineCoreError).message == "x"
 
 
 # ----------------------------------------------------------------------------- basics

@@ -69,3 +69,37 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+# ----------------------------------------------------------------------------- worker -> scheduler
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token under the model's raw distribution.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its log-probability (natural log).
+        rank: its rank in the distribution (1 = most likely).
+        top: ``(token id, logprob)`` of the most likely tokens, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step of the worker returns (as vLLM v1's ``ModelRunnerOutput``).
+
+    Attributes:
+        sampled: request id -> sampled token id, for the requests whose step reached
+            the end of their known tokens (a finished prefill or a decode).
+        logprobs: request id -> logprobs of that token, where the request asked for them.
+    """
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

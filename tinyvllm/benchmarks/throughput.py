@@ -123,11 +123,11 @@ def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, 
             ts = time.perf_counter()
             eng.step()
             te = time.perf_counter()
-            st = eng.core.last_stats
-            if st.step_prefill_tokens > 0:
+            it_stats = eng.core.last_iteration
+            if it_stats.num_prefill_tokens > 0:
                 t1 = te  # the last step that still computed prompt tokens
-            elif st.step_decode_tokens > 0:
-                steps.append((te - ts, st.step_decode_tokens))
+            elif it_stats.num_decode_tokens > 0:
+                steps.append((te - ts, it_stats.num_decode_tokens))
         prefill_s.append((t1 or time.perf_counter()) - t0)
         full = [t for t, n in steps if n == batch_size]
         if full:

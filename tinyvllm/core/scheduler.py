@@ -14,58 +14,22 @@ from prompt + output so far (vLLM's recompute preemption).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+
+import msgspec
 
 from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
-from tinyvllm.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step."""
-
-    request: Request
-    num_new_tokens: int      # tokens computed this step
-    block_ids: list[int]     # the request's whole block table after allocation
-
-    @property
-    def samples(self) -> bool:
-        """True if this step reaches the end of the known tokens, so its last logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    """Cumulative counters (tokens, requests, steps)."""
-
-    num_steps: int = 0
-    prefill_tokens: int = 0        # prompt (and recomputed) tokens computed
-    decode_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up
-    prefix_cache_hits: int = 0     # tokens hit
+from tinyvllm.metrics.stats import SchedulerStats
+from tinyvllm.request import Request, RequestStatus
+from tinyvllm.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:
-    """Decides each step's batch. Owns the waiting queue, the running list and the KV cache manager."""
+    """Decides each step's batch. Owns the waiting queue, the running list and the KV cache manager.
+
+    Its output is data (:class:`~tinyvllm.scheduler_output.SchedulerOutput`); the worker that runs
+    it keeps its own per-request state, so the scheduler never shares a live object with it.
+    """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int) -> None:
@@ -77,9 +41,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.stats = SchedulerStats()
+        self.stats = SchedulerStats(kv_blocks_total=num_blocks)  # cumulative counters; gauges in make_stats
         # Static policy: how many requests of the current batch are still to be admitted.
         self._static_to_admit = 0
+        # What the worker has been told: block ids sent per request (absent: never scheduled, or
+        # preempted since), and the requests finished since the last schedule (the worker drops them).
+        self._num_sent_blocks: dict[str, int] = {}
+        self._known: set[str] = set()
+        self._finished_ids: list[str] = []
 
     # ------------------------------------------------------------------ queue ops
     def add_request(self, request: Request) -> None:
@@ -115,6 +84,10 @@ class Scheduler:
                 pass
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        self._num_sent_blocks.pop(req.request_id, None)
+        if req.request_id in self._known:
+            self._known.discard(req.request_id)
+            self._finished_ids.append(req.request_id)
 
     @property
     def num_unfinished(self) -> int:
@@ -123,24 +96,59 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot: the cumulative counters plus the current queue and KV gauges."""
+        st = msgspec.structs.replace(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
+                                     kv_blocks_used=self.kv.num_owned_blocks())
+        return st
+
     # ------------------------------------------------------------------ schedule
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        self._num_sent_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req.request_id)
+        out.preempted_req_ids.append(req.request_id)
         if self.config.scheduling_policy == "static":
             self._static_to_admit += 1  # it rejoins its own batch
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        """Add ``req`` with ``num_new`` tokens to the step as data: whole the first time it is scheduled,
+        as a change (token count, new block ids) afterwards, with its whole block table when resumed."""
+        rid = req.request_id
+        block_ids = self.kv.get_block_ids(rid)
+        out.num_scheduled_tokens[rid] = num_new
+        if rid not in self._known:
+            self._known.add(rid)
+            out.scheduled_new_reqs.append(NewRequestData(
+                rid, list(req.prompt_token_ids), req.sampling_params, sorted(req.eos_token_ids), block_ids,
+                req.num_computed_tokens))
+        else:
+            sent = self._num_sent_blocks.get(rid)
+            cached = out.scheduled_cached_reqs
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(sent is None)
+            cached.new_block_ids.append(block_ids if sent is None else block_ids[sent:])
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        self._num_sent_blocks[rid] = len(block_ids)
+        # A request is in "decode" when it computes exactly its newest output token.
+        if req.num_output_tokens > 0 and num_new == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+        out.total_num_scheduled_tokens += num_new
 
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        out = SchedulerOutput(scheduled=[])
-        scheduled_ids: set[str] = set()
+        out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData([], [], [], []),
+                              num_scheduled_tokens={}, preempted_req_ids=[], finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        scheduled = out.num_scheduled_tokens
 
         # 1) Running requests, in admission order.
         i = 0
@@ -156,7 +164,7 @@ class Scheduler:
                 if blocks is not None:
                     break
                 victim = self.running[-1]  # most recently admitted
-                if victim.request_id in scheduled_ids:
+                if victim.request_id in scheduled:
                     # Never preempt a request already given tokens this step.
                     victim = None
                 if victim is None or victim is req:
@@ -166,8 +174,7 @@ class Scheduler:
                 self._preempt(victim, out)
             if req is None:
                 continue  # ``running[i]`` is now the next request
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
-            scheduled_ids.add(req.request_id)
+            self._emit(out, req, num_new)
             budget -= num_new
             i += 1
 
@@ -178,7 +185,7 @@ class Scheduler:
             # (Not while members of the current batch are still waiting to be admitted: one
             # that finished before the last was admitted must not open the batch to others.)
             self._static_to_admit = min(cfg.max_num_seqs, len(self.waiting))
-        admit = not out.preempted
+        admit = not out.preempted_req_ids
         while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             if static and self._static_to_admit <= 0:
                 break
@@ -201,16 +208,9 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.get_block_ids(req.request_id)))
-            scheduled_ids.add(req.request_id)
+            self._emit(out, req, num_new)
             budget -= num_new
 
-        for s in out.scheduled:
-            # A request is in "decode" when it computes exactly its newest output token.
-            if s.request.num_output_tokens > 0 and s.num_new_tokens == 1 and s.samples:
-                out.num_decode_tokens += 1
-            else:
-                out.num_prefill_tokens += s.num_new_tokens
         pc = self.kv.take_stats()
         self.stats.prefix_cache_queries += pc.queries
         self.stats.prefix_cache_hits += pc.hits
@@ -231,14 +231,14 @@ class Scheduler:
             requests that got a new token or finished this step (in schedule order).
         """
         touched = []
-        for s in out.scheduled:
-            req = s.request
-            if req.status.is_finished:  # aborted mid-step
+        for rid, num_new in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status.is_finished:  # aborted mid-step
                 continue
-            req.num_computed_tokens += s.num_new_tokens
-            if req.request_id not in sampled:
+            req.num_computed_tokens += num_new
+            if rid not in sampled:
                 continue
-            req.append_output_token(sampled[req.request_id])
+            req.append_output_token(sampled[rid])
             if req.check_stop(self.max_model_len):
                 self._finish(req)
             touched.append(req)

@@ -36,18 +36,21 @@ import zmq.asyncio
 
 from tinyvllm import envs
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.core import EngineCoreRequest
-from tinyvllm.engine.core_proc import (ABORT, ADD, ERROR, OUTPUTS, READY, RESET_CACHE, SHUTDOWN, EngineCoreOutputs,
-                                       encode, run_engine_core)
-from tinyvllm.engine.llm_engine import child_params
+from tinyvllm.engine.core_proc import run_engine_core
+from tinyvllm.engine.input_processor import InvalidRequestError, check_prompt, fan_out
+from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady,
+                                      EngineCoreRequestType, encode)
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from tinyvllm.metrics.prometheus import ServerMetrics
+from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.model.loader import resolve_model
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tinyvllm.async_llm")
+_READY, _OUTPUTS, _ERROR = (t.value for t in (EngineCoreOutputType.READY, EngineCoreOutputType.OUTPUTS,
+                                              EngineCoreOutputType.ERROR))
 
 DEFAULT_START_TIMEOUT_S = envs.TINYVLLM_ENGINE_START_TIMEOUT
 
@@ -70,14 +73,6 @@ class EngineShutdownError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (``max_waiting_requests``); the server answers 503."""
-
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot serve (e.g. a prompt too long); ``param`` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -178,8 +173,8 @@ class AsyncLLM:
         self.max_model_len = 0
         self.vocab_size = 0
         self.eos_token_ids: list[int] = []
-        self.engine_info: dict[str, Any] = {}
-        self.stats: dict[str, Any] = {}
+        self.engine_info: EngineCoreReady | None = None
+        self.stats = SchedulerStats()
         self._queues: dict[str, asyncio.Queue] = {}
         self._num_sent = 0
         self._accepting = False
@@ -195,6 +190,8 @@ class AsyncLLM:
         # Called (in the event loop) once the core has died; the server uses it to exit.
         self.on_dead: Callable[[BaseException], None] | None = None
         self._output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._ready_decoder = msgspec.msgpack.Decoder(EngineCoreReady)
+        self._error_decoder = msgspec.msgpack.Decoder(EngineCoreError)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -234,11 +231,11 @@ class AsyncLLM:
         while True:
             if await self._out_sock.poll(100):
                 tag, payload = await self._out_sock.recv_multipart()
-                if tag == READY:
-                    self.engine_info = msgspec.msgpack.decode(payload)
+                if tag == _READY:
+                    self.engine_info = self._ready_decoder.decode(payload)
                     break
-                if tag == ERROR:
-                    raise EngineStartError(f"engine core failed to start: {msgspec.msgpack.decode(payload)}")
+                if tag == _ERROR:
+                    raise EngineStartError(f"engine core failed to start: {self._error_decoder.decode(payload).message}")
                 continue
             if not self._proc.is_alive():
                 raise EngineStartError(f"engine core process exited with code {self._proc.exitcode} during "
@@ -248,16 +245,15 @@ class AsyncLLM:
             if time.monotonic() > deadline:
                 raise EngineStartError(f"engine core did not become ready within {self.start_timeout:.0f}s")
         info = self.engine_info
-        self.max_model_len = int(info["max_model_len"])
-        self.vocab_size = int(info["vocab_size"])
-        self.eos_token_ids = eos_token_ids(self.tokenizer, types.SimpleNamespace(eos_token_id=info["eos_token_id"]))
-        self.stats = {"num_running": 0, "num_waiting": 0, "kv_blocks_used": 0,
-                      "kv_blocks_total": info["num_kv_blocks"], "num_added": 0}
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = eos_token_ids(self.tokenizer, types.SimpleNamespace(eos_token_id=info.eos_token_id))
+        self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
         self.metrics.update_from_stats(self.stats)
         self._accepting = True
         self._output_task = asyncio.create_task(self._output_loop(), name="tinyvllm-output-loop")
         logger.info("engine core ready: max_model_len %d, %d KV blocks x %d tokens", self.max_model_len,
-                    info["num_kv_blocks"], info["block_size"])
+                    info.num_kv_blocks, info.block_size)
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Stop accepting requests and end every in-flight request with :class:`EngineShutdownError`."""
@@ -290,8 +286,8 @@ class AsyncLLM:
             return
         self._stopped = True
         if proc.is_alive():
-            if self.engine_info:
-                self._send(SHUTDOWN, b"", raise_if_dead=False)
+            if self.engine_info is not None:
+                self._send(EngineCoreRequestType.SHUTDOWN, b"", raise_if_dead=False)
             else:  # still loading: it reads no messages yet
                 proc.terminate()
             proc.join(timeout)
@@ -318,12 +314,12 @@ class AsyncLLM:
             self._tmpdir = None
 
     # ------------------------------------------------------------------ requests
-    def _send(self, tag: bytes, payload: Any, raise_if_dead: bool = True) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: Any, raise_if_dead: bool = True) -> None:
         data = payload if isinstance(payload, bytes) else encode(payload)
         try:
             if self._in_sock is None:
                 raise zmq.Again()
-            self._in_sock.send_multipart([tag, data], flags=zmq.NOBLOCK)
+            self._in_sock.send_multipart([kind.value, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # no connected peer: the core is gone
             if raise_if_dead:
                 raise EngineDeadError(f"cannot reach the engine core ({e})") from e
@@ -335,26 +331,12 @@ class AsyncLLM:
             InvalidRequestError: empty prompt, prompt (+ max_tokens) longer than
                 ``max_model_len``, or token ids outside the vocabulary.
         """
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("prompt must not be empty", "prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt is "
-                f"{n} tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
-                "prompt")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). "
-                "Please reduce the length of the prompt or max_tokens.", "max_tokens")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, check_max_tokens=True)
 
     def num_waiting_estimate(self) -> int:
         """Sequences waiting in the core (last snapshot) plus those sent since the core last reported."""
-        in_transit = self._num_sent - int(self.stats.get("num_added", 0))
-        return int(self.stats.get("num_waiting", 0)) + max(0, in_transit)
+        in_transit = self._num_sent - self.stats.num_added
+        return self.stats.num_waiting + max(0, in_transit)
 
     def check_admission(self) -> None:
         """Raise :class:`EngineDeadError` / :class:`EngineShutdownError` / :class:`EngineOverloadedError`
@@ -386,13 +368,12 @@ class AsyncLLM:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         arrival = arrival_time or time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
-        kids = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
+        reqs = fan_out(request_id, prompt_token_ids, params, self.eos_token_ids, arrival)
+        self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
         self._queues[request_id] = queue
         self.metrics.request_added(request_id, arrival)
-        reqs = [EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i) if len(kids) > 1 else params,
-                                  self.eos_token_ids, arrival) for i, cid in enumerate(kids)]
         try:
-            self._send(ADD, reqs)
+            self._send(EngineCoreRequestType.ADD, reqs)
         except EngineDeadError:
             self._forget(request_id)
             self.processor.abort_request(request_id)
@@ -405,14 +386,14 @@ class AsyncLLM:
         self._forget(request_id)
         kids = self.processor.abort_request(request_id)
         if kids:
-            self._send(ABORT, kids, raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, kids, raise_if_dead=False)
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self.metrics.request_aborted(request_id)
 
     def reset_prefix_cache(self) -> None:
-        self._send(RESET_CACHE, b"")
+        self._send(EngineCoreRequestType.RESET_PREFIX_CACHE, b"")
 
     def _fail_all(self, err: BaseException) -> None:
         kids: list[str] = []
@@ -420,7 +401,7 @@ class AsyncLLM:
             self._queues[rid].put_nowait(err)
             kids.extend(self.processor.abort_request(rid))
         if kids and self._dead is None:
-            self._send(ABORT, kids, raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, kids, raise_if_dead=False)
 
     # ------------------------------------------------------------------ output loop
     async def _output_loop(self) -> None:
@@ -432,10 +413,10 @@ class AsyncLLM:
                         raise EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode})")
                     continue
                 tag, payload = await self._out_sock.recv_multipart()
-                if tag == OUTPUTS:
+                if tag == _OUTPUTS:
                     self._handle_outputs(self._output_decoder.decode(payload))
-                elif tag == ERROR:
-                    raise EngineDeadError(f"the engine core failed: {msgspec.msgpack.decode(payload)}")
+                elif tag == _ERROR:
+                    raise EngineDeadError(f"the engine core failed: {self._error_decoder.decode(payload).message}")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -448,9 +429,9 @@ class AsyncLLM:
 
     def _handle_outputs(self, msg: EngineCoreOutputs) -> None:
         now = time.monotonic()
-        if msg.stats:
-            self.stats = msg.stats
-            self.metrics.update_from_stats(msg.stats)
+        if msg.scheduler_stats is not None:
+            self.stats = msg.scheduler_stats
+            self.metrics.update_from_stats(msg.scheduler_stats)
         for cid, err in msg.rejected:
             parent = self.processor.child_to_parent.get(cid)
             if parent is None:
@@ -463,7 +444,7 @@ class AsyncLLM:
             return
         outs, to_abort = self.processor.process_outputs(msg.outputs, delta=True)
         if to_abort:  # stop strings matched here; free the samples' KV in the core
-            self._send(ABORT, to_abort, raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, to_abort, raise_if_dead=False)
         for out in outs:
             self.metrics.record_output(out, now)
             queue = self._queues.get(out.request_id)

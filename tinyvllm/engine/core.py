@@ -1,67 +1,41 @@
 """EngineCore: the loop ``schedule -> execute -> update`` over token ids (no text).
 
-It owns the scheduler (with the KV cache manager) and the model runner (with the
-weights and KV tensors). The front end (offline :class:`~tinyvllm.LLM` or the
-API server) sends :class:`EngineCoreRequest` and receives
-:class:`EngineCoreOutput` per step; text, stop strings and streaming live there.
+It owns the scheduler (with the KV cache manager) and an executor (which owns
+the worker(s): weights, KV tensors, per-request sampling state). The front end
+(offline :class:`~tinyvllm.LLM` or the API server) sends
+:class:`~tinyvllm.engine.messages.EngineCoreRequest` and receives
+:class:`~tinyvllm.engine.messages.EngineCoreOutput` per step; text, stop strings
+and streaming live there.
+
+Where round 2's pieces plug in: a KV connector's scheduler half is consulted by
+the scheduler (tokens from outside, delayed frees); a structured-output manager
+advances grammars in :meth:`step` after ``update_from_output`` and puts the
+step's bitmask in the schedule; the dashboard reads the typed stats of
+:meth:`make_stats` / :attr:`last_iteration`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
-from tinyvllm import envs
 from tinyvllm.config import EngineConfig, resolve_device
 from tinyvllm.core.scheduler import Scheduler
-from tinyvllm.engine.request import Request
-from tinyvllm.model.llama import load_model
+from tinyvllm.engine.input_processor import check_prompt
+from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.executor import get_executor_class
+from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
-from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.worker.model_runner import ModelRunner, TokenLogprobs
+from tinyvllm.request import Request
 
 logger = logging.getLogger("tinyvllm")
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    arrival_time: float = 0.0
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class EngineStepStats:
-    """Per-step and cumulative engine statistics."""
-
-    step_prefill_tokens: int = 0
-    step_decode_tokens: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_usage: float = 0.0
-    step_seconds: float = 0.0
-    cumulative: dict = field(default_factory=dict)
-
-
 class EngineCore:
-    """Scheduler + model runner, driven one step at a time."""
+    """Scheduler + executor, driven one step at a time."""
 
     def __init__(self, config: EngineConfig, resolved: ResolvedModel | None = None,
                  model: "torch.nn.Module | None" = None) -> None:
@@ -71,30 +45,22 @@ class EngineCore:
             ModelNotFoundError: the model cannot be found.
             ValueError: ``max_model_len`` beyond the model's positions; CUDA asked for but unavailable.
         """
-        self.config = config
         mc, cc = config.model_config, config.cache_config
         self.device = resolve_device(mc.device)  # "auto" -> cuda if available, else cpu
-        mc.device = str(self.device)
+        config = dataclasses.replace(config, model_config=dataclasses.replace(mc, device=str(self.device)))
+        mc = config.model_config
+        self.config = config
         self.resolved = resolved or resolve_model(mc.model, mc.load_format)
         torch.manual_seed(mc.seed)
-        threads = envs.TINYVLLM_NUM_THREADS
-        if threads > 0:
-            torch.set_num_threads(threads)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
-        if model is None:
-            model = load_model(self.resolved.model_dir, self.dtype, self.device, load_format=mc.load_format,
-                               seed=mc.seed)
-        self.model = model
-        model_device = next(self.model.parameters()).device
-        if model_device.type != self.device.type:
-            raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {self.device}")
-        mcfg = self.model.config
-        if mc.max_model_len is not None and mc.max_model_len > mcfg.max_position_embeddings:
+        self.model_executor = get_executor_class(config)(config, self.device, self.resolved.model_dir, model)
+        info = self.model_info = self.model_executor.model_info()
+        if mc.max_model_len is not None and mc.max_model_len > info.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{mcfg.max_position_embeddings}")
-        self.max_model_len = mc.max_model_len or mcfg.max_position_embeddings
-        bytes_per_block = mcfg.kv_bytes_per_token(self.dtype) * cc.block_size
+                             f"{info.max_position_embeddings}")
+        self.max_model_len = mc.max_model_len or info.max_position_embeddings
+        bytes_per_block = info.kv_bytes_per_token * cc.block_size
         num_blocks = cc.num_kv_blocks or max(1, int(cc.kv_cache_memory) // bytes_per_block)
         self.num_blocks = num_blocks
         self.kv_capacity_tokens = num_blocks * cc.block_size
@@ -106,40 +72,38 @@ class EngineCore:
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
-                                  max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
-                                  enforce_eager=mc.enforce_eager)
+        self.model_executor.initialize_kv_cache(num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "model %s (%s, %s%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
             self.resolved.served_name, str(self.dtype).replace("torch.", ""), self.device,
-            ", CUDA graphs" if self.runner.graph_runner is not None else "", self.load_seconds, num_blocks,
-            cc.block_size, self.kv_capacity_tokens, num_blocks * bytes_per_block / 2**30,
+            ", CUDA graphs" if getattr(self.runner, "graph_runner", None) is not None else "", self.load_seconds,
+            num_blocks, cc.block_size, self.kv_capacity_tokens, num_blocks * bytes_per_block / 2**30,
             "prefix caching on" if cc.enable_prefix_caching else "prefix caching off",
         )
-        self.last_stats = EngineStepStats()
+        self.last_iteration = IterationStats()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The loaded model (uniprocess executor; tests share its weights between engines)."""
+        return self.model_executor.worker.model
+
+    @property
+    def runner(self):  # noqa: ANN201 - ModelRunner; uniprocess executor, for tests and benchmarks
+        """The worker's model runner (uniprocess executor; tests and benchmarks inspect it)."""
+        return self.model_executor.worker.model_runner
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request.
 
         Raises:
-            ValueError: empty prompt, a prompt that leaves no room in ``max_model_len``,
-                a duplicate id, or token ids outside the vocabulary.
+            ValueError: see :func:`~tinyvllm.engine.input_processor.check_prompt`; a duplicate id.
         """
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt must not be empty")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens, but max_model_len is {self.max_model_len}: it must be shorter "
-                "to leave room for at least one generated token"
-            )
-        vocab = self.model.config.vocab_size
-        if min(req.prompt_token_ids) < 0 or max(req.prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         sp = req.sampling_params
+        check_prompt(req.prompt_token_ids, sp, self.max_model_len, self.model_info.vocab_size)
+        n = len(req.prompt_token_ids)
         max_tokens = self.max_model_len - n if sp.max_tokens is None else min(sp.max_tokens, self.max_model_len - n)
         self.scheduler.add_request(Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=sp,
@@ -160,7 +124,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
         if not sched.is_empty:
-            result = self.runner.execute(sched)
+            result = self.model_executor.execute_model(sched)
             for req in self.scheduler.update_from_output(sched, result.sampled):
                 lp = result.logprobs.get(req.request_id)
                 outputs.append(EngineCoreOutput(
@@ -172,30 +136,21 @@ class EngineCore:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 ))
-        self._update_stats(sched, time.perf_counter() - t0)
+        self.last_iteration = IterationStats(
+            num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
+            num_scheduled_reqs=len(sched.num_scheduled_tokens), num_preempted_reqs=len(sched.preempted_req_ids),
+            step_seconds=time.perf_counter() - t0)
         return outputs
 
-    def _update_stats(self, sched, seconds: float) -> None:
-        s = self.scheduler
-        st = self.last_stats
-        st.step_prefill_tokens = sched.num_prefill_tokens
-        st.step_decode_tokens = sched.num_decode_tokens
-        st.num_running = len(s.running)
-        st.num_waiting = len(s.waiting)
-        st.kv_blocks_total = self.num_blocks
-        st.kv_blocks_used = s.kv.num_owned_blocks()
-        st.kv_usage = st.kv_blocks_used / self.num_blocks
-        st.step_seconds = seconds
-        st.cumulative = self.stats()
+    def make_stats(self) -> SchedulerStats:
+        """Typed snapshot: queue and KV gauges, cumulative token / preemption / prefix-cache counters."""
+        return self.scheduler.make_stats()
 
     def stats(self) -> dict:
-        """Cumulative counters: steps, prefill/decode tokens, cached prompt tokens, prefix-cache
-        queries and hits (tokens), preemptions; and current running/waiting/KV usage."""
-        s = self.scheduler
-        d = dict(vars(s.stats))
-        d.update(num_running=len(s.running), num_waiting=len(s.waiting),
-                 kv_blocks_used=s.kv.num_owned_blocks(), kv_blocks_total=self.num_blocks)
-        return d
+        """:meth:`make_stats` as a dict: ``num_steps``, ``prefill_tokens``, ``decode_tokens``,
+        ``cached_prompt_tokens``, ``num_preemptions``, ``prefix_cache_queries`` / ``prefix_cache_hits``
+        (tokens), ``num_running``, ``num_waiting``, ``kv_blocks_used``, ``kv_blocks_total``."""
+        return self.make_stats().as_dict()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

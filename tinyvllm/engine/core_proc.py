@@ -1,15 +1,8 @@
 """The EngineCore process: a busy loop that receives requests over ZMQ, steps the engine, sends outputs.
 
 Two ZMQ PUSH/PULL pipes connect it to the API process (``ipc://`` sockets in a
-temp dir, which the API process binds; this process connects):
-
-* input (API -> core): ``[tag, msgpack payload]`` frames: ``ADD`` (a list of
-  :class:`EngineCoreRequest`), ``ABORT`` (a list of request ids), ``RESET_CACHE``
-  and ``SHUTDOWN``;
-* output (core -> API): ``READY`` (a dict describing the loaded engine, sent once),
-  ``OUTPUTS`` (:class:`EngineCoreOutputs`: one step's outputs, the requests
-  rejected on arrival, and a stats snapshot) and ``ERROR`` (a fatal error text,
-  after which the process exits).
+temp dir, which the API process binds; this process connects). Every message is a
+type tag and a msgpack payload, all typed in :mod:`tinyvllm.engine.messages`.
 
 The loop drains every pending message without blocking while it has work, and
 blocks in ``poll`` (with a timeout, to notice a dead parent) when idle. It sends
@@ -39,47 +32,17 @@ import msgspec
 import zmq
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.core import EngineCoreOutput, EngineCoreRequest
+from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady,
+                                      EngineCoreRequest, EngineCoreRequestType, encode)
 
 logger = logging.getLogger("tinyvllm.core_proc")
 
-# Message tags (first frame).
-ADD = b"ADD"
-ABORT = b"ABORT"
-RESET_CACHE = b"RESET_CACHE"
-SHUTDOWN = b"SHUTDOWN"
-READY = b"READY"
-OUTPUTS = b"OUTPUTS"
-ERROR = b"ERROR"
-
 _IDLE_POLL_MS = 500
 _PARENT_CHECK_S = 1.0
-
-
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One message from the core: a step's outputs, rejected adds, and a stats snapshot.
-
-    Attributes:
-        outputs: per-request new tokens / finishes of the step (may be empty).
-        rejected: ``(request_id, error message)`` of requests the core refused.
-        stats: :meth:`EngineCore.stats` plus ``num_added`` (requests received so far)
-            and ``step_seconds``.
-        timestamp: ``time.monotonic()`` when sent.
-    """
-
-    outputs: list[EngineCoreOutput] = []
-    rejected: list[tuple[str, str]] = []
-    stats: dict[str, Any] = {}
-    timestamp: float = 0.0
-
-
-_encoder = msgspec.msgpack.Encoder()
 _add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
 _ids_decoder = msgspec.msgpack.Decoder(list[str])
-
-
-def encode(obj: Any) -> bytes:
-    return _encoder.encode(obj)
+_READY, _OUTPUTS, _ERROR = (t.value for t in (EngineCoreOutputType.READY, EngineCoreOutputType.OUTPUTS,
+                                              EngineCoreOutputType.ERROR))
 
 
 def _set_pdeathsig() -> None:
@@ -97,7 +60,7 @@ def _set_pdeathsig() -> None:
 
 def _send_error(sock: zmq.Socket, text: str) -> None:
     try:
-        sock.send_multipart([ERROR, encode(text)])
+        sock.send_multipart([_ERROR, encode(EngineCoreError(text))])
     except zmq.ZMQError:  # the API process is gone; nobody to tell
         pass
 
@@ -136,17 +99,11 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             stop["flag"] = True
 
         signal.signal(signal.SIGTERM, on_term)
-        mcfg = core.model.config
-        out_sock.send_multipart([READY, encode({
-            "pid": os.getpid(),
-            "max_model_len": core.max_model_len,
-            "vocab_size": mcfg.vocab_size,
-            "eos_token_id": getattr(mcfg, "eos_token_id", None),
-            "num_kv_blocks": core.num_blocks,
-            "block_size": config.cache_config.block_size,
-            "load_seconds": core.load_seconds,
-            "served_name": core.resolved.served_name,
-        })])
+        out_sock.send_multipart([_READY, encode(EngineCoreReady(
+            pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_info.vocab_size,
+            eos_token_id=core.model_info.eos_token_id, num_kv_blocks=core.num_blocks,
+            block_size=config.cache_config.block_size, load_seconds=core.load_seconds,
+            served_name=core.resolved.served_name))])
         try:
             _busy_loop(core, in_sock, out_sock, parent_pid, stop)
         except Exception as e:
@@ -184,11 +141,16 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         if ready:
             while True:  # drain everything pending, never blocking
                 try:
-                    tag, payload = in_sock.recv_multipart(zmq.NOBLOCK)
+                    frame, payload = in_sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 changed = True
-                if tag == ADD:
+                try:
+                    tag = EngineCoreRequestType(frame)
+                except ValueError:
+                    logger.error("unknown message type %r", frame)
+                    continue
+                if tag is EngineCoreRequestType.ADD:
                     for req in _add_decoder.decode(payload):
                         num_added += 1
                         try:
@@ -197,23 +159,20 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                             if not isinstance(e, ValueError):
                                 logger.exception("request %s rejected", req.request_id)
                             rejected.append((req.request_id, str(e)))
-                elif tag == ABORT:
+                elif tag is EngineCoreRequestType.ABORT:
                     core.abort_requests(_ids_decoder.decode(payload))
-                elif tag == RESET_CACHE:
+                elif tag is EngineCoreRequestType.RESET_PREFIX_CACHE:
                     core.reset_prefix_cache()
-                elif tag == SHUTDOWN:
+                elif tag is EngineCoreRequestType.SHUTDOWN:
                     logger.info("shutdown requested")
                     return
-                else:
-                    logger.error("unknown message tag %r", tag)
         stepped = core.has_unfinished_requests()
-        t0 = time.perf_counter()
         outputs = core.step() if stepped else []
         if stepped or changed:
-            stats = core.stats()
-            stats["num_added"] = num_added
-            stats["step_seconds"] = time.perf_counter() - t0 if stepped else 0.0
-            msg = [OUTPUTS, encode(EngineCoreOutputs(outputs, rejected, stats, time.monotonic()))]
+            stats = core.make_stats()
+            stats.num_added = num_added
+            msg = [_OUTPUTS, encode(EngineCoreOutputs(outputs, rejected, stats,
+                                                      core.last_iteration if stepped else None, time.monotonic()))]
             while True:  # blocks only if the API process stops reading; never forever
                 try:
                     out_sock.send_multipart(msg, copy=False)

@@ -7,22 +7,14 @@ import time
 from typing import Any
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.core import EngineCore, EngineCoreRequest
+from tinyvllm.engine.core import EngineCore
+from tinyvllm.engine.input_processor import check_prompt, fan_out
 from tinyvllm.engine.output_processor import OutputProcessor
 from tinyvllm.engine.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Per-sample params of an ``n > 1`` request: n=1, and seed+index when seeded."""
-    p = params.clone()
-    p.n = 1
-    if params.seed is not None:
-        p.seed = params.seed + index
-    return p
 
 
 class LLMEngine:
@@ -51,12 +43,7 @@ class LLMEngine:
                 raise ValueError("prompt must not be empty")
             return prompt, self.tokenizer(prompt)["input_ids"]
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-            if not ids:
-                raise ValueError("prompt_token_ids must not be empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return prompt.get("prompt"), ids
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])  # checked by check_prompt
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.tokenize_prompt(prompt["prompt"])
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -75,11 +62,13 @@ class LLMEngine:
         """
         rid = request_id or f"req-{next(self._ids)}"
         text, ids = self.tokenize_prompt(prompt)
+        check_prompt(ids, params, self.core.max_model_len, self.core.model_info.vocab_size)
         now = time.monotonic()
-        kids = self.output_processor.add_request(rid, text, ids, params, now)
+        reqs = fan_out(rid, ids, params, self.eos_token_ids, now)
+        self.output_processor.add_request(rid, text, ids, params, now)
         try:
-            for i, cid in enumerate(kids):
-                self.core.add_request(EngineCoreRequest(cid, ids, child_params(params, i), self.eos_token_ids, now))
+            for r in reqs:
+                self.core.add_request(r)
         except ValueError:
             self.abort_request(rid)
             raise

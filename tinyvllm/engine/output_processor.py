@@ -12,7 +12,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from tinyvllm.engine.core import EngineCoreOutput
+from tinyvllm.engine.input_processor import child_request_ids
+from tinyvllm.engine.messages import EngineCoreOutput
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -107,11 +108,6 @@ class _RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
-
-
-def child_request_ids(request_id: str, n: int) -> list[str]:
-    """Engine-side ids of the ``n`` samples of a request (the request id itself when n == 1)."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 class OutputProcessor:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -78,7 +78,7 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._requests: dict[str, _ReqState] = {}
-        self._last_cumulative: dict[str, float] = {}
+        self._last_cumulative: dict[str, int] = {}
 
     # -------------------------------------------------------------- per request
     def request_added(self, request_id: str, arrival: float) -> None:
@@ -114,21 +114,20 @@ class ServerMetrics:
             self.e2e.observe(max(0.0, now - st.arrival))
 
     # -------------------------------------------------------------- engine snapshot
-    def update_from_stats(self, stats: Mapping[str, Any]) -> None:
-        """Gauges and cumulative counters from the engine core's stats snapshot."""
-        self.running.set(stats.get("num_running", 0))
-        self.waiting.set(stats.get("num_waiting", 0))
-        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
-        self.kv_used.set(used)
-        self.kv_total.set(total)
-        self.kv_usage.set(used / total if total else 0.0)
-        for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits)):
-            value = float(stats.get(key, 0) or 0)
-            delta = value - self._last_cumulative.get(key, 0.0)
+    def update_from_stats(self, stats: SchedulerStats) -> None:
+        """Gauges and cumulative counters from the engine core's typed stats snapshot."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.kv_usage.set(stats.kv_cache_usage)
+        for value, key, counter in ((stats.num_preemptions, "num_preemptions", self.preemptions),
+                                    (stats.prefix_cache_queries, "prefix_cache_queries", self.prefix_queries),
+                                    (stats.prefix_cache_hits, "prefix_cache_hits", self.prefix_hits)):
+            delta = value - self._last_cumulative.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
-            self._last_cumulative[key] = max(value, self._last_cumulative.get(key, 0.0))
+            self._last_cumulative[key] = max(value, self._last_cumulative.get(key, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

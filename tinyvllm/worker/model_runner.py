@@ -1,4 +1,12 @@
-"""Model runner: turns a :class:`SchedulerOutput` into packed input tensors, runs the model, samples.
+"""Model runner: turns a data-only :class:`SchedulerOutput` into packed input tensors, runs the model, samples.
+
+The runner keeps its own state per request (:class:`CachedRequestState`, as vLLM
+v1's ``GPUModelRunner.requests``): the token history (prompt + every token it
+sampled), the block table, and the sampling state (a seeded request's
+``torch.Generator``, the tokens penalties count). The scheduler sends a request
+whole once, then only what changes (see :mod:`tinyvllm.scheduler_output`).
+State survives a preemption (the generator keeps its stream) and is dropped when
+the scheduler reports the request finished.
 
 Inputs built per step (all sequences' new tokens flattened, no padding):
 ``input_ids`` [T] int64, ``positions`` [T] int64, ``slot_mapping`` [T] int64,
@@ -14,30 +22,42 @@ from dataclasses import dataclass
 import torch
 
 from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.model.llama import LlamaForCausalLM
+from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
 from tinyvllm.sample.sampler import Sampler, SamplingMetadata, make_generator
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.worker.cuda_graph import DecodeGraphRunner
 
 
 @dataclass
-class TokenLogprobs:
-    """Logprobs for one sampled token (raw model distribution)."""
+class CachedRequestState:
+    """What the runner keeps of one request between steps.
 
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+    Attributes:
+        token_ids: prompt followed by every token sampled so far.
+        num_prompt_tokens: length of the prompt inside ``token_ids``.
+        block_ids: the request's block table (physical block ids, logical order).
+        num_computed_tokens: tokens with KV, as of the last schedule.
+        generator: a seeded request's own generator (on the runner's device), else None.
+    """
 
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
 
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int]                 # request id -> token id
-    logprobs: dict[str, TokenLogprobs]      # request id -> logprobs, when requested
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class ModelRunner:
-    """Owns the model weights and the paged KV cache tensors (on ``device``).
+    """Owns the model weights, the paged KV cache tensors (on ``device``) and per-request sampling state.
 
     On CUDA, unless ``enforce_eager``, decode-only steps replay CUDA graphs
     (:class:`~tinyvllm.worker.cuda_graph.DecodeGraphRunner`, captured here for batch
@@ -65,6 +85,7 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
         self.graph_runner: DecodeGraphRunner | None = None
         if self.device.type == "cuda" and not enforce_eager:
             runner = DecodeGraphRunner(model, self.kv_caches, block_size, max_num_seqs,
@@ -72,70 +93,106 @@ class ModelRunner:
             if runner.capture():
                 self.graph_runner = runner
 
+    # ------------------------------------------------------------------ per-request state
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        """Apply the schedule's changes to the per-request state: drop finished requests, add new ones,
+        extend (or, after a preemption, replace) block tables, take ``num_computed_tokens``."""
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        for new in sched.scheduled_new_reqs:
+            sp = new.sampling_params
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids), num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=sp, eos_token_ids=frozenset(new.eos_token_ids), block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=make_generator(sp.seed, self.device) if sp.seed is not None else None)
+        c = sched.scheduled_cached_reqs
+        for rid, resumed, new_blocks, computed in zip(c.req_ids, c.resumed_from_preemption, c.new_block_ids,
+                                                      c.num_computed_tokens):
+            st = self.requests[rid]
+            if resumed:
+                st.block_ids = list(new_blocks)
+            else:
+                st.block_ids.extend(new_blocks)
+            st.num_computed_tokens = computed
+
+    # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: forward over all scheduled tokens, then sample where a token is due."""
+        """Run one step: forward over all scheduled tokens, then sample where a token is due.
+
+        Raises:
+            KeyError: the schedule names a request the runner was never sent.
+        """
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput()
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[int] = []  # index into the packed tokens of each sampled row
-        sample_reqs = []
-        for s in sched.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids.extend(req.all_token_ids[start:end])
+        sample_reqs: list[CachedRequestState] = []
+        for rid, num_new in sched.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            start = st.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(st.token_ids[start:end])
             positions.extend(range(start, end))
-            query_lens.append(s.num_new_tokens)
+            query_lens.append(num_new)
             seq_lens.append(end)
-            tables.append(s.block_ids)
-            if s.samples:
+            tables.append(st.block_ids)
+            if end == len(st.token_ids):  # the step reaches the end of the known tokens: sample
                 sample_rows.append(len(input_ids) - 1)
-                sample_reqs.append(req)
+                sample_reqs.append(st)
+        hidden = self._run_model(input_ids, positions, query_lens, seq_lens, tables)
+        if not sample_reqs:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        out = self._sample(logits, sample_reqs)
+        for st in sample_reqs:  # the runner's own copy of the token history
+            st.token_ids.append(out.sampled[st.req_id])
+        return out
+
+    def _run_model(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+                   tables: list[list[int]]) -> torch.Tensor:
+        """Forward over the packed tokens; returns hidden states [T, hidden]."""
         gr = self.graph_runner
         if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
                 and gr.can_run(len(tables), max(len(t) for t in tables))):
-            hidden = gr.run(input_ids, positions, seq_lens, tables)
-        else:
-            md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-            ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-            pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, md)
-        if not sample_reqs:
-            return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            return gr.run(input_ids, positions, seq_lens, tables)
+        md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return self.model(ids_t, pos_t, self.kv_caches, md)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> ModelRunnerOutput:
+        """Sample one token per row of ``logits`` [N, vocab] float32 (row i is ``reqs[i]``)."""
         banned = []
-        for req in sample_reqs:
-            sp = req.sampling_params
-            gen = req.generator
-            if gen is not None and gen.device != self.device:
-                # Request makes its seeded generator on the CPU; remake it on the logits' device before
-                # its first draw (it is used nowhere else, so no draw is lost).
-                req.generator = make_generator(sp.seed, self.device)
-            if req.num_output_tokens < sp.min_tokens:
-                banned.append(sorted(set(req.eos_token_ids) | set(sp.stop_token_ids or [])))
+        for st in reqs:
+            sp = st.sampling_params
+            if st.num_output_tokens < sp.min_tokens:  # EOS and stop ids wait until min_tokens
+                banned.append(sorted(st.eos_token_ids | set(sp.stop_token_ids or [])))
             else:
                 banned.append([])
         smd = SamplingMetadata.build(
-            [r.sampling_params for r in sample_reqs],
-            [r.prompt_token_ids for r in sample_reqs],
-            [r.output_token_ids for r in sample_reqs],
-            [r.generator for r in sample_reqs],
+            [st.sampling_params for st in reqs],
+            [st.token_ids[:st.num_prompt_tokens] for st in reqs],
+            [st.token_ids[st.num_prompt_tokens:] for st in reqs],
+            [st.generator for st in reqs],
             banned,
             device=self.device,
         )
         out = self.sampler(logits, smd)
         token_ids = out.sampled_token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(sample_reqs, token_ids)}
+        sampled = {st.req_id: t for st, t in zip(reqs, token_ids)}
         lps: dict[str, TokenLogprobs] = {}
         if out.logprobs is not None:
             lp = out.logprobs
             slp, rank = lp.sampled_logprob.tolist(), lp.sampled_rank.tolist()
             tids, tlps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
-            for i, r in enumerate(sample_reqs):
-                n = r.sampling_params.logprobs
+            for i, st in enumerate(reqs):
+                n = st.sampling_params.logprobs
                 if n is None:
                     continue
-                lps[r.request_id] = TokenLogprobs(token_ids[i], slp[i], rank[i],
-                                                  list(zip(tids[i][:n], tlps[i][:n])))
+                lps[st.req_id] = TokenLogprobs(token_ids[i], slp[i], rank[i], list(zip(tids[i][:n], tlps[i][:n])))
         return ModelRunnerOutput(sampled, lps)

@@ -1,12 +1,15 @@
-"""A request as the engine core sees it: token ids, progress, and status."""
+"""A request as the scheduler sees it: token ids, progress, and status.
+
+It lives in the scheduler's process only; what the worker needs of it crosses in
+the data-only :class:`~tinyvllm.scheduler_output.SchedulerOutput`, and the
+worker keeps its own per-request sampling state (generators, token history).
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -55,13 +58,10 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
-    generator: torch.Generator | None = None
     all_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
-        if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

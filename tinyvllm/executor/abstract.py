@@ -1,0 +1,54 @@
+"""The executor interface between the engine core and its workers (as vLLM v1's ``Executor``).
+
+``EngineCore → Executor → Worker → ModelRunner``. The core speaks only data to
+the executor: a :class:`~tinyvllm.scheduler_output.SchedulerOutput` in, a
+:class:`~tinyvllm.outputs.ModelRunnerOutput` out. Implementations:
+
+* :class:`~tinyvllm.executor.uniproc.UniProcExecutor`: one worker in the core's process (today's only one);
+* a multiprocess executor (next round): one worker process per tensor-parallel rank in a
+  ``torch.distributed`` group, the schedule broadcast to every rank, rank 0's output returned.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinyvllm.config import EngineConfig
+from tinyvllm.outputs import ModelRunnerOutput
+from tinyvllm.scheduler_output import SchedulerOutput
+from tinyvllm.worker.worker import ModelInfo
+
+
+class Executor(ABC):
+    """Holds the workers; loads the model on construction.
+
+    Args:
+        config: the engine configuration (its device already resolved).
+        device: the resolved device.
+        model_dir: the resolved HF-style model directory.
+        model: an already-loaded model (uniprocess only; tests share weights between engines).
+    """
+
+    def __init__(self, config: EngineConfig, device: torch.device, model_dir: str | Path,
+                 model: Any = None) -> None:
+        self.config = config
+        self.device = device
+
+    @abstractmethod
+    def model_info(self) -> ModelInfo:
+        """Facts about the loaded model (vocabulary, positions, KV bytes per token)."""
+
+    @abstractmethod
+    def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate ``num_blocks`` KV blocks on every worker."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on the workers and return the sampled tokens."""
+
+    def shutdown(self) -> None:
+        """Release the workers (no-op in-process)."""

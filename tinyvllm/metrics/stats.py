@@ -1,0 +1,67 @@
+"""Typed engine statistics: what the engine core reports after each step.
+
+Prometheus (:mod:`tinyvllm.metrics.prometheus`), ``LLM.stats()``, the benchmarks
+and the dashboard read these by field. They are msgspec structs, so they travel
+inside :class:`~tinyvllm.engine.messages.EngineCoreOutputs` unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    """Scheduler state after a step: gauges (now) and cumulative counters (since start).
+
+    Gauges:
+        num_running: sequences in the running batch.
+        num_waiting: sequences waiting to be scheduled (incl. preempted ones).
+        kv_blocks_used: KV blocks owned by requests; ``kv_blocks_total`` in the pool.
+    Counters (tokens unless named otherwise):
+        num_steps: engine steps that scheduled something or nothing (every ``schedule()``).
+        prefill_tokens: prompt (and recomputed) tokens computed.
+        decode_tokens: decode tokens computed (one per decoding sequence per step).
+        cached_prompt_tokens: prompt tokens served from the prefix cache at first admission.
+        num_preemptions: preemptions (requests, not tokens).
+        prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
+        num_added: requests the engine core received (the API process's admission estimate).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_added: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's blocks owned by requests (0-1)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def as_dict(self) -> dict[str, int]:
+        return msgspec.structs.asdict(self)
+
+
+class IterationStats(msgspec.Struct, omit_defaults=True):
+    """One step of the engine core.
+
+    Attributes:
+        num_prefill_tokens: prompt (or recomputed) tokens computed in the step.
+        num_decode_tokens: sequences that computed exactly their newest output token.
+        num_scheduled_reqs: sequences in the step's batch.
+        num_preempted_reqs: sequences preempted while the step was built.
+        step_seconds: wall time of schedule + forward + sampling + update (seconds).
+    """
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_scheduled_reqs: int = 0
+    num_preempted_reqs: int = 0
+    step_seconds: float = 0.0
