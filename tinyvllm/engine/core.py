@@ -8,6 +8,7 @@ API server) sends :class:`EngineCoreRequest` and receives
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -74,7 +75,8 @@ class EngineCore:
         self.config = config
         mc, cc = config.model_config, config.cache_config
         self.device = resolve_device(mc.device)  # "auto" -> cuda if available, else cpu
-        mc.device = str(self.device)
+        self.config = config = dataclasses.replace(  # frozen configs: the resolved device in a copy
+            config, model_config=(mc := dataclasses.replace(mc, device=str(self.device))))
         self.resolved = resolved or resolve_model(mc.model, mc.load_format)
         torch.manual_seed(mc.seed)
         threads = envs.TINYVLLM_NUM_THREADS

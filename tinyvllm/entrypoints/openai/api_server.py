@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
+from tinyvllm.config import EngineArgs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
@@ -37,19 +38,6 @@ from tinyvllm.entrypoints.openai.serving import OpenAIServing, error_body, error
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tinyvllm.api_server")
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """HTTP server flags (vLLM's names)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the model is served under (none: the model's name); the first is reported")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many requests are waiting for the engine (none: unbounded)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-                   help="log level of the server and engine")
 
 
 # ----------------------------------------------------------------------------- app
@@ -197,18 +185,13 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
 
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine core process and serve HTTP until SIGINT/SIGTERM; returns the exit code."""
-    from tinyvllm.config import EngineConfig
-    from tinyvllm.entrypoints.cli import engine_kwargs
-
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.getLogger().setLevel(level)
     logging.getLogger("tinyvllm").setLevel(level)
-    kwargs = engine_kwargs(args)
-    kwargs["max_waiting_requests"] = args.max_waiting_requests
     try:
         if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-        config = EngineConfig.from_kwargs(**kwargs)
+        config = EngineArgs.from_cli_args(args).create_engine_config()
     except (TypeError, ValueError) as e:
         logger.error("invalid engine options: %s", e)
         return 2
