@@ -34,7 +34,11 @@ from tinyvllm.config import EngineArgs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
-from tinyvllm.entrypoints.openai.serving import OpenAIServing, error_body, error_response
+from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
+from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tinyvllm.api_server")
@@ -61,9 +65,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLM`."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, served_model_names)
+    serving_models = OpenAIServingModels(engine, served_model_names)
+    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
     app.state.engine = engine
-    app.state.serving = serving
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -96,23 +102,23 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return serving.list_models()
+        return serving_models.list_models()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await serving.create_completion(req, raw)
+        return await completion.create_completion(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.create_chat_completion(req, raw)
+        return await chat.create_chat_completion(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        return await serving.tokenize(req)
+        return await tokenization.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
-        return await serving.detokenize(req)
+        return await tokenization.detokenize(req)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
