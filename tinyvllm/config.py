@@ -52,13 +52,17 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def _check_dtype_name(dtype: "str | torch.dtype") -> str:
-    """The lower-cased name of a dtype (a ``torch.dtype`` as such, without importing torch).
+    """The lower-cased name of a dtype, checked (a ``torch.dtype`` as it is); imports torch only for a
+    value that is not a string.
 
     Raises:
         ValueError: unknown dtype name.
     """
-    if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
-        return str(dtype)
+    if not isinstance(dtype, str):
+        import torch
+
+        if isinstance(dtype, torch.dtype):
+            return str(dtype)
     name = str(dtype).lower()
     if name != "auto" and name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
