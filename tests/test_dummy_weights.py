@@ -61,13 +61,12 @@ def test_engine_runs_dummy_model_with_every_token_detokenizable(dummy_dir):
 
 
 def test_cli_flag_and_config_validation():
-    from tinyvllm.config import ModelConfig
-    from tinyvllm.entrypoints.cli import add_engine_args, engine_kwargs
+    from tinyvllm.config import EngineArgs, ModelConfig
 
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    assert engine_kwargs(p.parse_args([]))["load_format"] == "auto"
-    assert engine_kwargs(p.parse_args(["--load-format", "dummy"]))["load_format"] == "dummy"
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli_args(p.parse_args([])).load_format == "auto"
+    assert EngineArgs.from_cli_args(p.parse_args(["--load-format", "dummy"])).load_format == "dummy"
     with pytest.raises(ValueError, match="load_format"):
         ModelConfig(load_format="pt")
 

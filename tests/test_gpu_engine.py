@@ -93,8 +93,7 @@ def _assert_logprobs_close(lps, ref_lps, atol=1e-4):
 
 
 def test_device_resolution_and_flags():
-    from tinyvllm.config import ModelConfig, resolve_device
-    from tinyvllm.entrypoints.cli import add_engine_args, engine_kwargs
+    from tinyvllm.config import EngineArgs, ModelConfig, resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if HAS_CUDA else "cpu")
@@ -104,11 +103,11 @@ def test_device_resolution_and_flags():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
     p = argparse.ArgumentParser()
-    add_engine_args(p)
-    kw = engine_kwargs(p.parse_args(["--device", "cpu", "--enforce-eager"]))
-    assert kw["device"] == "cpu" and kw["enforce_eager"] is True
-    kw = engine_kwargs(p.parse_args([]))
-    assert kw["device"] == "auto" and kw["enforce_eager"] is False
+    EngineArgs.add_cli_args(p)
+    kw = EngineArgs.from_cli_args(p.parse_args(["--device", "cpu", "--enforce-eager"]))
+    assert kw.device == "cpu" and kw.enforce_eager is True
+    kw = EngineArgs.from_cli_args(p.parse_args([]))
+    assert kw.device == "auto" and kw.enforce_eager is False
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message for a machine without CUDA")

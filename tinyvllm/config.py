@@ -1,31 +1,37 @@
-"""Engine configuration: model, KV cache and scheduler settings (validated dataclasses).
+"""Engine configuration: model, KV cache and scheduler settings (validated, frozen dataclasses), and
+:class:`EngineArgs`, the one list of engine options from which the CLI flags and the configs are made.
 
 Option names follow vLLM's engine arguments (``block_size``, ``max_num_seqs``,
 ``max_num_batched_tokens``, ``enable_prefix_caching``, ``max_model_len``...) so a
-vLLM user's habits carry over.
+vLLM user's habits carry over. This module imports no torch at import time.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is needed: the API process parses flags before it loads torch
+    import torch
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("continuous", "static")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+_DTYPES = {  # name -> attribute of torch
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
@@ -37,14 +43,30 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     Raises:
         ValueError: unknown dtype name.
     """
+    name = _check_dtype_name(dtype)
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
+    return torch.bfloat16 if name == "auto" else getattr(torch, _DTYPES[name])
+
+
+def _check_dtype_name(dtype: "str | torch.dtype") -> str:
+    """The lower-cased name of a dtype, checked (a ``torch.dtype`` as it is); imports torch only for a
+    value that is not a string.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if not isinstance(dtype, str):
+        import torch
+
+        if isinstance(dtype, torch.dtype):
+            return str(dtype)
     name = str(dtype).lower()
-    if name == "auto":
-        return torch.bfloat16
-    if name not in _DTYPES:
+    if name != "auto" and name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(sorted(_DTYPES))}; got {dtype!r}")
-    return _DTYPES[name]
+    return name
 
 
 def parse_size(value: int | float | str) -> int:
@@ -93,6 +115,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     Raises:
         ValueError: an unknown device name, or CUDA asked for but not available.
     """
+    import torch
+
     name = check_device_name(device)
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +134,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     """What model to run and how.
 
@@ -121,9 +145,8 @@ class ModelConfig:
         max_model_len: longest sequence (prompt + output, tokens); default the
             model's ``max_position_embeddings``.
         seed: seed of the default random generator (unseeded requests).
-        device: ``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (CUDA when
-            ``torch.cuda.is_available()``, else CPU); resolved when the engine starts
-            (:func:`resolve_device`).
+        device: ``auto`` (the default: CUDA when ``torch.cuda.is_available()``, else CPU),
+            ``cpu``, ``cuda`` or ``cuda:N``; resolved when the engine starts (:func:`resolve_device`).
         enforce_eager: never capture CUDA graphs (vLLM's flag); CUDA graphs of the
             decode step are used only on CUDA.
         load_format: ``auto`` (read the ``*.safetensors`` weights) or ``dummy``
@@ -135,12 +158,12 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"
     enforce_eager: bool = False
     load_format: str = "auto"
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        _check_dtype_name(self.dtype)
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         check_device_name(self.device)
@@ -152,7 +175,7 @@ class ModelConfig:
         return parse_dtype(self.dtype, self.device)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
 
@@ -173,12 +196,12 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Iteration-level scheduler settings.
 
@@ -208,13 +231,13 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.scheduling_policy not in ("continuous", "static"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be 'continuous' or 'static', got {self.scheduling_policy!r}"
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -222,18 +245,128 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Build from flat vLLM-style keyword arguments (``block_size=32, max_num_seqs=8``...).
+        """Build from flat vLLM-style keyword arguments (``block_size=32, max_num_seqs=8``...): the
+        :class:`EngineArgs` fields.
+
+        Raises:
+            TypeError: an unknown option name.
+            ValueError: an invalid option value.
+        """
+        return EngineArgs.from_kwargs(**kwargs).create_engine_config()
+
+
+# ----------------------------------------------------------------------------- engine arguments
+
+_CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)  # each EngineArgs field goes to exactly one
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+            group: str | None = "engine") -> Any:
+    """An :class:`EngineArgs` field: its default (the config's), its ``--help`` text, its choices, and
+    the argument group its flag joins (``None``: no flag, a Python-API option only)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, once: the source of the CLI flags and of the configs.
+
+    A field's name is the keyword of ``LLM(...)`` and, with ``-`` for ``_``, the flag (``block_size`` ->
+    ``--block-size``); its type gives the flag's ``type`` (``bool``: ``--flag`` when the default is False,
+    ``--flag/--no-flag`` when it is True); its metadata holds the help text, the choices and the argument
+    group. :meth:`create_engine_config` hands each field to the config that has a field of that name
+    (:class:`ModelConfig`, :class:`CacheConfig` or :class:`SchedulerConfig`), which validates it.
+
+    Adding an option: a field (with its validation) on the config that uses it, and a field here whose
+    default is that config's; the flag, ``LLM(option=...)``, ``tinyvllm serve|generate|chat|bench`` all follow.
+    """
+
+    model: str = _option(ModelConfig.model, "alias (SmolLM2-135M-Instruct), path to a .gguf file, or a Hugging "
+                                            "Face model directory")
+    dtype: str = _option(ModelConfig.dtype, "auto (bfloat16), bfloat16 or float32")
+    max_model_len: int | None = _option(ModelConfig.max_model_len, "max tokens per sequence (prompt + output)")
+    block_size: int = _option(CacheConfig.block_size, "tokens per KV block")
+    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "max running requests per step")
+    max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens, "token budget per step")
+    enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
+                                          "reuse KV blocks of identical prefixes across requests")
+    kv_cache_memory: int | str = _option(CacheConfig.kv_cache_memory, "KV cache budget, e.g. 1GiB, 512MiB")
+    num_kv_blocks: int | None = _option(CacheConfig.num_kv_blocks,
+                                        "explicit number of KV blocks (overrides memory)")
+    scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
+                                     "continuous: rebuild the batch every step; static: admit a new batch only "
+                                     "when one finishes", choices=SCHEDULING_POLICIES)
+    seed: int = _option(ModelConfig.seed, "seed of unseeded sampling (and of --load-format dummy)")
+    device: str = _option(ModelConfig.device, "auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    enforce_eager: bool = _option(ModelConfig.enforce_eager,
+                                  "on CUDA, run every step eagerly (no CUDA-graph capture of the decode step)")
+    load_format: str = _option(ModelConfig.load_format,
+                               "auto: read the model's weights; dummy: seeded random weights of the shapes in "
+                               "config.json (a directory with config.json and tokenizer files is enough; for "
+                               "benchmarks)", choices=LOAD_FORMATS)
+    enable_chunked_prefill: bool = _option(SchedulerConfig.enable_chunked_prefill,
+                                           "split prompts longer than the step's remaining token budget",
+                                           group=None)
+    # A server option (the offline engine has no waiting-queue bound): its flag is in ``serve``'s server group.
+    max_waiting_requests: int | None = _option(SchedulerConfig.max_waiting_requests,
+                                               "answer 503 while this many requests are waiting for the engine "
+                                               "(none: unbounded)", group="server")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        """``EngineArgs(**kwargs)``, naming an unknown option in the message.
 
         Raises:
             TypeError: an unknown option name.
         """
-        parts: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
-        for key, value in kwargs.items():
-            for klass in parts:
-                if key in {f.name for f in dataclasses.fields(klass)}:
-                    parts[klass][key] = value
-                    break
-            else:
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in kwargs:
+            if key not in names:
                 raise TypeError(f"unknown engine option {key!r}")
-        return cls(ModelConfig(**parts[ModelConfig]), CacheConfig(**parts[CacheConfig]),
-                   SchedulerConfig(**parts[SchedulerConfig]))
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, group: str = "engine"
+                     ) -> None:
+        """Add one flag per field of ``group``: the engine flags go into a new ``engine`` argument group of
+        ``parser``; the flags of any other group (``server``) are added to ``parser`` itself (the caller's
+        argument group of that name)."""
+        target = parser.add_argument_group("engine") if group == "engine" else parser
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata["group"] != group:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"default": f.default, "help": f.metadata["help"]}
+            kind = _flag_type(hints[f.name])
+            if kind is bool:
+                kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+            elif kind is not None:
+                kw["type"] = kind
+            if f.metadata["choices"] is not None:
+                kw["choices"] = list(f.metadata["choices"])
+            target.add_argument(flag, **kw)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The fields parsed into ``args``; a field without a flag in that parser keeps its default."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configs.
+
+        Raises:
+            ValueError: an invalid option value.
+        """
+        parts = [klass(**{f.name: getattr(self, f.name) for f in dataclasses.fields(klass)})
+                 for klass in _CONFIG_PARTS]
+        return EngineConfig(*parts)
+
+
+def _flag_type(hint: Any) -> type | None:
+    """The argparse ``type`` of a field's type: ``X | None`` -> ``X``; a union of several types -> ``None``
+    (the string as given: the config parses it, e.g. ``kv_cache_memory``)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else None
+    return None if hint is str else hint

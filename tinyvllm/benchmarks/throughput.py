@@ -8,11 +8,15 @@ generating exactly ``--output-len`` tokens (``ignore_eos``), all at once through
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tinyvllm.config import EngineArgs
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -66,9 +70,10 @@ def _write_result(path: str | None, res: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(res, indent=2, default=str))
 
 
-def main_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def main_throughput(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from tinyvllm.entrypoints.llm import LLM
 
+    engine_kwargs = dataclasses.asdict(engine_args)
     llm = LLM(**engine_kwargs)
     # Warm-up (first-touch of KV pages, allocator) on a tiny batch.
     run_throughput(llm, 2, 16, 4, seed=12345)
@@ -144,9 +149,10 @@ def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, 
     }
 
 
-def main_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def main_latency(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
     from tinyvllm.entrypoints.llm import LLM
 
+    engine_kwargs = dataclasses.asdict(engine_args)
     llm = LLM(**engine_kwargs)
     run_latency(llm, 16, 4, 1, 1, seed=777)  # warm-up
     res = run_latency(llm, args.input_len, args.output_len, args.batch_size, args.num_iters)

@@ -1,52 +1,21 @@
-"""Command line: ``tinyvllm serve | generate | chat | bench``."""
+"""Command line: ``tinyvllm serve | generate | chat | bench``.
+
+The engine flags are made by :class:`tinyvllm.config.EngineArgs`. Building the parser imports neither the
+server nor the benchmarks: ``bench``'s subcommands are built only when ``bench`` is the command.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import Sequence
 
-from tinyvllm.config import DEFAULT_MODEL, LOAD_FORMATS
+from tinyvllm.config import EngineArgs
+from tinyvllm.entrypoints.openai.cli_args import add_server_args
 
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows the defaults
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options under vLLM's flag names."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="alias (SmolLM2-135M-Instruct), path to a .gguf file, or a Hugging Face model directory")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), bfloat16 or float32")
-    g.add_argument("--max-model-len", type=int, default=None, help="max tokens per sequence (prompt + output)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max running requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse KV blocks of identical prefixes across requests")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 1GiB, 512MiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="explicit number of KV blocks (overrides memory)")
-    g.add_argument("--scheduling-policy", choices=["continuous", "static"], default="continuous",
-                   help="continuous: rebuild the batch every step; static: admit a new batch only when one finishes")
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (and of --load-format dummy)")
-    g.add_argument("--device", default="auto",
-                   help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="on CUDA, run every step eagerly (no CUDA-graph capture of the decode step)")
-    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                   help="auto: read the model's weights; dummy: seeded random weights of the shapes in config.json "
-                        "(a directory with config.json and tokenizer files is enough; for benchmarks)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks, scheduling_policy=args.scheduling_policy, seed=args.seed,
-        device=args.device, enforce_eager=args.enforce_eager, load_format=args.load_format,
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -81,10 +50,14 @@ def _stream(engine, prompt, params) -> str:
     return "".join(text)
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return vars(EngineArgs.from_cli_args(args))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from tinyvllm.entrypoints.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**_engine_kwargs(args))
     _stream(llm.llm_engine, args.prompt, _sampling(args))
     return 0
 
@@ -92,7 +65,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from tinyvllm.entrypoints.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**_engine_kwargs(args))
     eng = llm.llm_engine
     messages: list[dict[str, str]] = []
     if args.system:
@@ -121,53 +94,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_bench_commands(p: argparse.ArgumentParser) -> None:
+    from tinyvllm.benchmarks import serve as bench_serve
+    from tinyvllm.benchmarks import throughput as bench_tp
+
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    bp = bsub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP",
+                         formatter_class=_FMT)
+    bench_serve.add_serve_args(bp)
+    bp.set_defaults(func=lambda a: (bench_serve.main_serve(a), 0)[1])
+    bp = bsub.add_parser("throughput", help="offline throughput of the engine in-process", formatter_class=_FMT)
+    EngineArgs.add_cli_args(bp)
+    bench_tp.add_throughput_args(bp)
+    bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, EngineArgs.from_cli_args(a)), 0)[1])
+    bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process",
+                         formatter_class=_FMT)
+    EngineArgs.add_cli_args(bp)
+    bench_tp.add_latency_args(bp)
+    bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, EngineArgs.from_cli_args(a)), 0)[1])
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``tinyvllm`` parser for ``argv`` (default ``sys.argv[1:]``): ``bench``'s subcommands (and the
+    benchmark modules) only when ``argv``'s command is ``bench``."""
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # the top level has no valued options
     parser = argparse.ArgumentParser(prog="tinyvllm", description="tinyvllm: LLM inference engine and server")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_FMT)
-    add_engine_args(p)
-    try:
-        from tinyvllm.entrypoints.openai.api_server import add_server_args
-    except ImportError:  # server module not present
-        add_server_args = None
-    if add_server_args is not None:
-        add_server_args(p)
+    EngineArgs.add_cli_args(p)
+    add_server_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate from one prompt and print the text as it streams",
                        formatter_class=_FMT)
     p.add_argument("prompt")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal (streams tokens)", formatter_class=_FMT)
     p.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks", formatter_class=_FMT)
-    bsub = p.add_subparsers(dest="bench_command", required=True)
-    from tinyvllm.benchmarks import serve as bench_serve
+    if command == "bench":
+        _add_bench_commands(p)
+    return parser
 
-    bp = bsub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP",
-                         formatter_class=_FMT)
-    bench_serve.add_serve_args(bp)
-    bp.set_defaults(func=lambda a: (bench_serve.main_serve(a), 0)[1])
-    from tinyvllm.benchmarks import throughput as bench_tp
 
-    bp = bsub.add_parser("throughput", help="offline throughput of the engine in-process", formatter_class=_FMT)
-    add_engine_args(bp)
-    bench_tp.add_throughput_args(bp)
-    bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, engine_kwargs(a)), 0)[1])
-    bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process",
-                         formatter_class=_FMT)
-    add_engine_args(bp)
-    bench_tp.add_latency_args(bp)
-    bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, engine_kwargs(a)), 0)[1])
-
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tinyvllm.config import resolve_device

@@ -16,10 +16,12 @@ class LLM:
     Args:
         model: alias, ``.gguf`` path or Hugging Face model directory.
         dtype: ``auto`` (bfloat16), ``bfloat16`` or ``float32``.
-        **kwargs: engine options under vLLM's names: ``block_size``,
+        **kwargs: engine options under vLLM's names, the fields of
+            :class:`~tinyvllm.config.EngineArgs` (the CLI's flags, same defaults): ``block_size``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
             ``max_model_len``, ``kv_cache_memory`` (bytes or ``'2GiB'``),
-            ``num_kv_blocks``, ``scheduling_policy`` (``continuous``/``static``), ``seed``.
+            ``num_kv_blocks``, ``scheduling_policy`` (``continuous``/``static``), ``seed``,
+            ``device`` (``auto``: CUDA if available, else CPU)...
 
     Raises:
         ModelNotFoundError: the model cannot be found (message says how to install it).

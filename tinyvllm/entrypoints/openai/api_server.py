@@ -30,26 +30,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
+from tinyvllm.config import EngineArgs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
-from tinyvllm.entrypoints.openai.serving import OpenAIServing, error_body, error_response
+from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
+from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tinyvllm.api_server")
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """HTTP server flags (vLLM's names)."""
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) the model is served under (none: the model's name); the first is reported")
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 while this many requests are waiting for the engine (none: unbounded)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
-                   help="log level of the server and engine")
 
 
 # ----------------------------------------------------------------------------- app
@@ -73,9 +65,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLM`."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, served_model_names)
+    serving_models = OpenAIServingModels(engine, served_model_names)
+    completion = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
     app.state.engine = engine
-    app.state.serving = serving
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -108,23 +102,23 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return serving.list_models()
+        return serving_models.list_models()
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await serving.create_completion(req, raw)
+        return await completion.create_completion(req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.create_chat_completion(req, raw)
+        return await chat.create_chat_completion(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        return await serving.tokenize(req)
+        return await tokenization.tokenize(req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
-        return await serving.detokenize(req)
+        return await tokenization.detokenize(req)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -197,18 +191,13 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
 
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine core process and serve HTTP until SIGINT/SIGTERM; returns the exit code."""
-    from tinyvllm.config import EngineConfig
-    from tinyvllm.entrypoints.cli import engine_kwargs
-
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.getLogger().setLevel(level)
     logging.getLogger("tinyvllm").setLevel(level)
-    kwargs = engine_kwargs(args)
-    kwargs["max_waiting_requests"] = args.max_waiting_requests
     try:
         if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-        config = EngineConfig.from_kwargs(**kwargs)
+        config = EngineArgs.from_cli_args(args).create_engine_config()
     except (TypeError, ValueError) as e:
         logger.error("invalid engine options: %s", e)
         return 2

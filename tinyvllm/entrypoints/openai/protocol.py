@@ -7,7 +7,7 @@ Unknown fields are ignored, as OpenAI-style servers do. Value ranges are
 checked by :class:`~tinyvllm.sampling_params.SamplingParams`, whose
 ``ValueError`` names the field (the server answers 400 with ``param`` set).
 Responses are plain dicts encoded with msgspec in
-:mod:`tinyvllm.entrypoints.openai.serving`.
+the ``tinyvllm.entrypoints.openai.serving_*`` modules.
 """
 
 from __future__ import annotations

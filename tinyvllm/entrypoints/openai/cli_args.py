@@ -1,0 +1,20 @@
+"""The flags of ``tinyvllm serve``'s server group (vLLM's names); argparse only, so that building the
+parser imports neither the server (FastAPI, uvicorn) nor the engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from tinyvllm.config import EngineArgs
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """HTTP server flags (vLLM's names), with the server-only engine options (``--max-waiting-requests``)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the model is served under (none: the model's name); the first is reported")
+    EngineArgs.add_cli_args(g, group="server")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="log level of the server and engine")

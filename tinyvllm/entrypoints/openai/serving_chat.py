@@ -1,0 +1,116 @@
+"""``POST /v1/chat/completions``: messages through the chat template, ``n`` samples, logprobs in the chat
+format; JSON or SSE streaming (a role chunk per choice first)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tinyvllm.engine.async_llm import RequestStream
+from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
+from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, OpenAIServing, clamp_logprob,
+                                                        collect, error_body, exception_response, json_encoder,
+                                                        run_until_disconnect, sse, status_of, usage_info)
+from tinyvllm.outputs import Logprob
+from tinyvllm.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint."""
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
+        content = []
+        for tid, entry in zip(token_ids, logprobs):
+            text = self._token_text(tid, entry)
+            lp = entry.get(tid)
+            ranked = sorted(((v.rank, t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n),
+                            key=lambda x: (x[0], x[1]))[:top_n]
+            tops = []
+            for _, t, v in ranked:
+                s = v.decoded_token if v.decoded_token is not None else self.tokenizer.decode([t])
+                tops.append({"token": s, "logprob": clamp_logprob(v.logprob), "bytes": list(s.encode("utf-8"))})
+            content.append({"token": text, "logprob": clamp_logprob(lp.logprob) if lp is not None else -9999.0,
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+        return {"content": content}
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
+        if (err := self.check_model(req.model)) is not None:
+            return err
+        renames = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+        try:
+            params = req.to_sampling_params()
+            ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt, req.continue_final_message)
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            streams = self._submit(request_id, [(None, ids)], params, arrival)
+        except REQUEST_ERRORS as e:
+            return exception_response(e, renames)
+        model = self._response_model(req.model)
+        created = int(time.time())
+        top_n = params.logprobs if req.logprobs else None
+        if req.stream:
+            return StreamingResponse(self._chat_stream(req, params, ids, streams[0], request_id, model, created,
+                                                       top_n), media_type="text/event-stream")
+        return await run_until_disconnect(
+            raw, self._chat_full(params, ids, streams[0], request_id, model, created, top_n), streams[0].abort)
+
+    async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
+                         model: str, created: int, top_n: int | None) -> Response:
+        try:
+            choices, cached = await collect([stream], params.n)
+        except REQUEST_ERRORS as e:
+            return exception_response(e)
+        out_choices = []
+        for idx, ch in choices.items():
+            lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
+            out_choices.append({"index": idx, "message": {"role": "assistant", "content": ch.text},
+                                "logprobs": lp, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+        usage = usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached)
+        return Response(json_encoder.encode({"id": request_id, "object": "chat.completion", "created": created,
+                                      "model": model, "choices": out_choices, "usage": usage}),
+                        media_type="application/json")
+
+    async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
+                           stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None
+                           ) -> AsyncIterator[bytes]:
+        include_usage = req.include_usage
+        completion_tokens = 0
+        cached = 0
+
+        def chunk(choices: list[dict]) -> bytes:
+            obj = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": choices}
+            if include_usage:
+                obj["usage"] = None
+            return sse(obj)
+
+        try:
+            for i in range(params.n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for out in stream:
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    lp = None
+                    if top_n is not None and c.logprobs:
+                        lp = self._chat_logprobs(c.token_ids, c.logprobs, top_n)
+                    if not c.text and c.finish_reason is None and lp is None:
+                        continue
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+            if include_usage:
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": usage_info(len(ids), completion_tokens, cached)})
+            yield SSE_DONE
+        except REQUEST_ERRORS as e:
+            yield sse(error_body(str(e), status_of(e)))
+            yield SSE_DONE
+        finally:
+            stream.abort()

@@ -1,0 +1,282 @@
+"""What the OpenAI endpoints share: OpenAI-shaped error bodies and responses, the request errors that are
+answered as such, Server-Sent Events, the wait that aborts a request whose client went away, the interleaving
+and collecting of the engine's streams, usage, and :class:`OpenAIServing`, the base of the endpoint classes
+(model check, tokenization, chat template, token text of logprobs, submission).
+
+Each handler validates the request (400 before anything reaches the engine),
+tokenizes (chat template for chat), hands one :class:`RequestStream` per prompt
+to the engine, and either streams Server-Sent Events in OpenAI's chunk format
+(ending with ``data: [DONE]``) or collects the deltas into one response. A
+client that goes away mid-request (streaming: the response generator is
+cancelled; non-streaming: an ``http.disconnect`` arrives) gets its request
+aborted in the engine, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tinyvllm.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverloadedError, EngineShutdownError,
+                                       InvalidRequestError, RequestStream)
+from tinyvllm.engine.tokenizer import apply_chat_template
+from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from tinyvllm.outputs import Logprob, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tinyvllm.serving")
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
+                422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
+_SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
+                    "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
+                    "top_logprobs", "prompt", "messages"}
+json_encoder = msgspec.json.Encoder()
+# What a request can fail with that is answered as an error object (400 / 503 / 500), not a traceback.
+REQUEST_ERRORS = (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def error_body(message: str, status: int, param: str | None = None, err_type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type or _ERROR_TYPES.get(status, "Error"), "param": param,
+                      "code": status}}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def _param_of(e: ValueError, renames: dict[str, str] | None = None) -> str | None:
+    param = getattr(e, "param", None)
+    if param is None:
+        first = str(e).split(" ", 1)[0].strip(":,")
+        param = first if first in _SAMPLING_FIELDS else None
+    if param is not None and renames:
+        param = renames.get(param, param)
+    return param
+
+
+def status_of(e: BaseException) -> int:
+    if isinstance(e, (EngineOverloadedError, EngineShutdownError)):
+        return 503
+    if isinstance(e, ValueError):
+        return 400
+    return 500
+
+
+def exception_response(e: BaseException, renames: dict[str, str] | None = None) -> JSONResponse:
+    status = status_of(e)
+    if status == 500 and not isinstance(e, EngineDeadError):
+        logger.exception("internal error", exc_info=e)
+    param = _param_of(e, renames) if isinstance(e, ValueError) else None
+    return error_response(str(e) or type(e).__name__, status, param)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json_encoder.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def clamp_logprob(lp: float) -> float:
+    return max(lp, -9999.0)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(raw: Request, work: Awaitable[Response], on_disconnect: Callable[[], None]
+                               ) -> Response:
+    """Await ``work``; if the client disconnects first, cancel it and call ``on_disconnect``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        on_disconnect()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    on_disconnect()
+    with contextlib.suppress(BaseException):
+        await task
+    return Response(status_code=499)
+
+
+async def iterate_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' delta outputs as ``(prompt index, output)``, in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@dataclass
+class Choice:
+    """A choice being accumulated (non-streaming) or tracked (streaming)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # completions logprobs: offset of the next token
+    started: bool = False
+
+
+def _accumulate(ch: Choice, c: Any) -> None:
+    """Fold one streamed delta (a CompletionOutput in delta mode) into a non-streaming choice."""
+    ch.text += c.text
+    ch.token_ids.extend(c.token_ids)
+    if c.logprobs:
+        ch.logprobs.extend(c.logprobs)
+    if c.finish_reason is not None:
+        ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+
+
+async def collect(streams: list[RequestStream], n: int) -> tuple[dict[int, Choice], int]:
+    """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
+    returns them and the prompt tokens served from the prefix cache. Aborts the streams when done."""
+    choices = {i: Choice() for i in range(len(streams) * n)}
+    cached = [0] * len(streams)
+    try:
+        async with contextlib.aclosing(iterate_streams(streams)) as it:
+            async for pi, out in it:
+                cached[pi] = out.num_cached_tokens
+                for c in out.outputs:
+                    _accumulate(choices[pi * n + c.index], c)
+    finally:
+        for s in streams:
+            s.abort()
+    return choices, sum(cached)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ----------------------------------------------------------------------------- base
+
+
+class OpenAIServing:
+    """The base of the endpoint classes, over one :class:`AsyncLLM`."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = served_model_names or [engine.model_name]
+        self.model_name = self.served_model_names[0]
+
+    # -------------------------------------------------------------- model
+    def check_model(self, model: str | None) -> JSONResponse | None:
+        if model is None or model == "" or model in self.served_model_names:
+            return None
+        return error_response(f"The model `{model}` does not exist.", 404, "model")
+
+    def _response_model(self, model: str | None) -> str:
+        return model or self.model_name
+
+    # -------------------------------------------------------------- tokenization
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, messages: list,
+                         add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+        msgs = []
+        for i, m in enumerate(messages):
+            d = m.model_dump(exclude_none=True)
+            if d.get("role") not in _CHAT_ROLES:
+                raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, "
+                                          f"got {d.get('role')!r}", "messages")
+            if d["role"] == "developer":
+                d["role"] = "system"
+            msgs.append(d)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if continue_final_message:
+            if msgs[-1]["role"] != "assistant":
+                raise InvalidRequestError("continue_final_message needs a final assistant message", "messages")
+            kwargs["continue_final_message"] = True
+            add_generation_prompt = False
+        try:
+            return apply_chat_template(self.tokenizer, msgs, add_generation_prompt, **kwargs)
+        except InvalidRequestError:
+            raise
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "messages") from e
+        except Exception as e:  # a template error (jinja) is the request's fault
+            raise InvalidRequestError(f"cannot apply the chat template: {e}", "messages") from e
+
+    # -------------------------------------------------------------- logprobs
+    def _token_text(self, tid: int, entry: dict[int, Logprob]) -> str:
+        lp = entry.get(tid)
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([tid])
+
+    # -------------------------------------------------------------- submission
+    def _submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                arrival: float) -> list[RequestStream]:
+        for _, ids in prompts:  # validate every prompt before queueing any
+            self.engine.check_request(ids, params)
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(self.engine.add_request(rid, text, ids, params, arrival, checked=True))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
