@@ -13,7 +13,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from tinyvllm.config import EngineArgs
@@ -70,11 +70,12 @@ def _write_result(path: str | None, res: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(res, indent=2, default=str))
 
 
-def main_throughput(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
-    from tinyvllm.entrypoints.llm import LLM
-
+def main_throughput(args: argparse.Namespace, engine_args: EngineArgs, make_llm: Callable[..., Any]
+                    ) -> dict[str, Any]:
+    """``bench throughput``: ``make_llm(**engine options)`` builds the offline ``LLM`` (the caller passes
+    the class, so the benchmarks stay below the entry points)."""
     engine_kwargs = dataclasses.asdict(engine_args)
-    llm = LLM(**engine_kwargs)
+    llm = make_llm(**engine_kwargs)
     # Warm-up (first-touch of KV pages, allocator) on a tiny batch.
     run_throughput(llm, 2, 16, 4, seed=12345)
     res = run_throughput(llm, args.num_prompts, args.input_len, args.output_len, args.dataset_seed,
@@ -149,11 +150,11 @@ def run_latency(llm: Any, input_len: int, output_len: int, batch_size: int = 1, 
     }
 
 
-def main_latency(args: argparse.Namespace, engine_args: EngineArgs) -> dict[str, Any]:
-    from tinyvllm.entrypoints.llm import LLM
-
+def main_latency(args: argparse.Namespace, engine_args: EngineArgs, make_llm: Callable[..., Any]
+                 ) -> dict[str, Any]:
+    """``bench latency``: ``make_llm`` as in :func:`main_throughput`."""
     engine_kwargs = dataclasses.asdict(engine_args)
-    llm = LLM(**engine_kwargs)
+    llm = make_llm(**engine_kwargs)
     run_latency(llm, 16, 4, 1, 1, seed=777)  # warm-up
     res = run_latency(llm, args.input_len, args.output_len, args.batch_size, args.num_iters)
     res["engine"] = dict(engine_kwargs)

@@ -94,6 +94,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args) or 0
 
 
+def _llm_class() -> type:
+    from tinyvllm.entrypoints.llm import LLM
+
+    return LLM
+
+
 def _add_bench_commands(p: argparse.ArgumentParser) -> None:
     from tinyvllm.benchmarks import serve as bench_serve
     from tinyvllm.benchmarks import throughput as bench_tp
@@ -106,12 +112,12 @@ def _add_bench_commands(p: argparse.ArgumentParser) -> None:
     bp = bsub.add_parser("throughput", help="offline throughput of the engine in-process", formatter_class=_FMT)
     EngineArgs.add_cli_args(bp)
     bench_tp.add_throughput_args(bp)
-    bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, EngineArgs.from_cli_args(a)), 0)[1])
+    bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
     bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process",
                          formatter_class=_FMT)
     EngineArgs.add_cli_args(bp)
     bench_tp.add_latency_args(bp)
-    bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, EngineArgs.from_cli_args(a)), 0)[1])
+    bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
