@@ -19,7 +19,7 @@ from tinyvllm import envs
 from tinyvllm.config import EngineConfig, resolve_device
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.request import Request
-from tinyvllm.model.llama import load_model
+from tinyvllm.model.weights import load_model
 from tinyvllm.model.loader import ResolvedModel, resolve_model
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.worker.model_runner import ModelRunner, TokenLogprobs

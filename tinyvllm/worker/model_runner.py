@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.core.scheduler import SchedulerOutput
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.sample.sampler import Sampler, SamplingMetadata, make_generator
@@ -57,6 +57,8 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = dtype
+        self.attn_backend = get_attn_backend(self.device, dtype)  # chosen once; the model runs its ops
+        model.bind_attn_backend(self.attn_backend)
         # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
         # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
@@ -71,6 +73,19 @@ class ModelRunner:
                                        max_model_len or cfg.max_position_embeddings, self.device)
             if runner.capture():
                 self.graph_runner = runner
+
+    def _run_model(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+                   tables: list[list[int]]) -> torch.Tensor:
+        """The forward over the packed batch: [T, hidden] final hidden states (a decode-only step replays
+        a CUDA graph when one fits, else the backend's metadata is built and the model runs eagerly)."""
+        gr = self.graph_runner
+        if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
+                and gr.can_run(len(tables), max(len(t) for t in tables))):
+            return gr.run(input_ids, positions, seq_lens, tables)
+        md = self.attn_backend.build_metadata(query_lens, seq_lens, tables, self.block_size)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return self.model(ids_t, pos_t, self.kv_caches, md)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -92,15 +107,7 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
-        gr = self.graph_runner
-        if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
-                and gr.can_run(len(tables), max(len(t) for t in tables))):
-            hidden = gr.run(input_ids, positions, seq_lens, tables)
-        else:
-            md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-            ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-            pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, md)
+        hidden = self._run_model(input_ids, positions, query_lens, seq_lens, tables)
         if not sample_reqs:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
