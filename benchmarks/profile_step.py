@@ -10,6 +10,7 @@ Every call into the C++ kernels (and F.linear, for float32 or older code) is wra
 "other" is the rest of the step (Python, embedding). K/V are random: timing only, not outputs.
 """
 import time, torch, sys, os, collections
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's tinyvllm
 import tinyvllm
 from tinyvllm.model.loader import resolve_model
 from tinyvllm.model import llama
