@@ -17,7 +17,6 @@ when tinyvllm is imported.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +59,10 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(device)
         # Modules, not functions: attributes are read at call time, so a test's ``importlib.reload``
         # (interpreter vs compiled) or monkeypatch of a kernel is seen.
-        self._tk = importlib.import_module("tinyvllm.kernels.triton.attention")
-        self._ops = importlib.import_module("tinyvllm.kernels.triton.ops")
+        from tinyvllm.kernels.triton import attention as tk  # imports triton: here, not at module import
+        from tinyvllm.kernels.triton import ops
+
+        self._tk, self._ops = tk, ops
         if self.device.type != "cuda" and not self._tk._interpreting():
             raise RuntimeError("the Triton attention backend got a CPU device but its kernels are compiled for "
                                "the GPU; set TRITON_INTERPRET=1 before triton is imported to run them on the CPU")
