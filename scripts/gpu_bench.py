@@ -48,8 +48,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from tinyvllm.attention import triton_kernels as tk  # noqa: E402
-from tinyvllm.attention import triton_ops as tops  # noqa: E402
+from tinyvllm.kernels.triton import attention as tk  # noqa: E402
+from tinyvllm.kernels.triton import ops as tops  # noqa: E402
 
 ROWS: list[tuple[str, str, str, str, str, str, str]] = []
 RECORDS: list[dict] = []

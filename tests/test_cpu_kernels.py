@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (``tinyvllm/attention/cpu_kernel.cpp``) against float64 PyTorch references.
+"""The C++ CPU kernels (``tinyvllm/kernels/cpu/cpu_kernel.cpp``) against float64 PyTorch references.
 
 Both the AVX-512 paths (when the machine has them) and the portable scalar loops are checked,
 with ragged batches mixing decode rows and prefill chunks over paged, shuffled blocks, GQA,
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tinyvllm.attention.backend import cpu_kernel
+from tinyvllm.kernels.cpu import cpu_kernels
 
-KERN = cpu_kernel()
+KERN = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERN is None, reason="C++ kernels could not be built")
 
 PATHS = ["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]
@@ -192,11 +192,13 @@ def test_vector_bf16_rounding_keeps_nan_and_matches_torch():
 def test_packed_weights_refuse_a_second_load(tmp_path):
     from tiny_models import make_tiny_llama
 
-    from tinyvllm.model.llama import load_model
+    from tinyvllm.attention.selector import get_attn_backend
+    from tinyvllm.model.weights import load_model, load_weights
 
     d = make_tiny_llama(tmp_path / "m", tie=True, hidden=64)
     m = load_model(d, torch.bfloat16)
+    m.bind_attn_backend(get_attn_backend("cpu", torch.bfloat16))  # the C++ backend packs the weights
     if m.lm_head_packed is None:
         pytest.skip("bf16 GEMM kernel not built on this CPU: weights stay unpacked")
     with pytest.raises(RuntimeError, match="packed"):
-        m.load_weights([])
+        load_weights(m, [])

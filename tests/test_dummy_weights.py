@@ -10,7 +10,8 @@ import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.model.dummy import LLAMA_3_2_1B, write_dummy_model_dir
-from tinyvllm.model.llama import LlamaConfig, load_model
+from tinyvllm.model.llama import LlamaConfig
+from tinyvllm.model.weights import load_model
 from tinyvllm.model.loader import ModelNotFoundError
 
 TINY = dict(LLAMA_3_2_1B, vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

@@ -30,6 +30,7 @@ if not HAS_CUDA:
 from tiny_models import make_tiny_llama  # noqa: E402
 
 from tinyvllm import SamplingParams  # noqa: E402
+from tinyvllm.attention.selector import get_attn_backend  # noqa: E402
 from tinyvllm.model.dummy import save_word_level_tokenizer  # noqa: E402
 
 VOCAB = 128
@@ -38,12 +39,12 @@ VOCAB = 128
 def _triton_kernels(interpret: bool):
     """The kernels module, compiled for CUDA or interpreted on the CPU (reloaded if it was imported the other way)."""
     pytest.importorskip("triton")
-    import tinyvllm.attention.triton_kernels as tk
+    import tinyvllm.kernels.triton.attention as tk
 
     if tk._interpreting() != interpret:
         if interpret and not HAS_CUDA:
             tk = importlib.reload(tk)  # TRITON_INTERPRET=1 is set above
-            import tinyvllm.attention.triton_ops as tops
+            import tinyvllm.kernels.triton.ops as tops
 
             importlib.reload(tops)  # the fused RMSNorm / RoPE kernels, likewise
         else:
@@ -141,7 +142,7 @@ def test_resolve_device_cuda_is_always_indexed(monkeypatch):
 
 def test_model_runner_sets_an_indexed_cuda_device(tiny_dir, monkeypatch):
     """``torch.cuda.set_device`` rejects a bare ``torch.device("cuda")``; the runner always passes an index."""
-    from tinyvllm.model.llama import load_model
+    from tinyvllm.model.weights import load_model
     from tinyvllm.worker.model_runner import ModelRunner
 
     seen = []
@@ -181,7 +182,7 @@ def test_engine_triton_interpreter_matches_cpu_path(tiny_dir, monkeypatch):
     tk = _triton_kernels(interpret=True)
     ref_toks, ref_lps = _run_rounds(LLM(model=str(tiny_dir), **ENGINE))
 
-    import tinyvllm.attention.triton_ops as tops
+    import tinyvllm.kernels.triton.ops as tops
 
     calls = {"decode": 0, "prefill": 0, "rms_norm": 0, "rotary": 0}
     for mod, name, key in ((tk, "paged_decode_attention", "decode"), (tk, "paged_prefill_attention", "prefill"),
@@ -220,9 +221,7 @@ def _random_kv(model, num_blocks, block_size, seed=0):
 
 
 def _eager_decode(model, kv, input_ids, positions, seq_lens, tables, block_size, device):
-    from tinyvllm.attention.backend import AttentionMetadata
-
-    md = AttentionMetadata.build([1] * len(input_ids), seq_lens, tables, block_size, device)
+    md = model.attn_backend.build_metadata([1] * len(input_ids), seq_lens, tables, block_size)
     with torch.inference_mode():
         return model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), kv, md)
 
@@ -266,11 +265,13 @@ def _check_graph_runner_padding(model, device, use_graphs: bool):
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter variant runs on CPU-only machines")
 def test_decode_graph_runner_padding_on_cpu(tiny_dir, monkeypatch):
     """The CUDA-graph runner's padded static-buffer forward, run eagerly on the CPU (Triton interpreter)."""
-    from tinyvllm.model.llama import load_model
+    from tinyvllm.model.weights import load_model
 
     _triton_kernels(interpret=True)
     monkeypatch.setenv("TINYVLLM_ATTENTION", "triton")
     model = load_model(tiny_dir, torch.float32, "cpu")
+    model.bind_attn_backend(get_attn_backend("cpu", torch.float32))  # the Triton backend (interpreted)
+    assert model.attn_backend.name == "triton"
     _check_graph_runner_padding(model, torch.device("cpu"), use_graphs=False)
 
 
@@ -281,11 +282,13 @@ cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run scrip
 
 @cuda_only
 def test_cuda_graph_runner_padding(tiny_dir):
-    from tinyvllm.model.llama import load_model
+    from tinyvllm.model.weights import load_model
 
     _triton_kernels(interpret=False)
     model = load_model(tiny_dir, torch.float32, "cuda")
-    _check_graph_runner_padding(model, torch.device("cuda", torch.cuda.current_device()), use_graphs=True)
+    device = torch.device("cuda", torch.cuda.current_device())
+    model.bind_attn_backend(get_attn_backend(device, torch.float32))
+    _check_graph_runner_padding(model, device, use_graphs=True)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata
-from tinyvllm.model.llama import load_model
+from tinyvllm.attention.selector import get_attn_backend
+from tinyvllm.model.weights import load_model
 
 from tiny_models import make_tiny_llama
 
@@ -35,6 +35,8 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, kwargs):
     path = make_tiny_llama(tmp_path / "m", **kwargs)
     hf = HFLlama.from_pretrained(str(path), torch_dtype=torch.float32).eval()
     ours = load_model(path, torch.float32)
+    backend = get_attn_backend("cpu", torch.float32)
+    ours.bind_attn_backend(backend)
     cfg = ours.config
 
     block_size, num_blocks = 4, 32
@@ -53,7 +55,7 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, kwargs):
         for start, end in steps:
             new = tokens[start:end]
             nblk = (end + block_size - 1) // block_size
-            md = AttentionMetadata.build([end - start], [end], [blocks[:nblk]], block_size)
+            md = backend.build_metadata([end - start], [end], [blocks[:nblk]], block_size)
             hidden = ours(torch.tensor(new), torch.arange(start, end), kv, md)
             logits = ours.compute_logits(hidden)
             ref = hf(torch.tensor([tokens[:end]])).logits[0, start:end].float()

@@ -23,8 +23,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-import tinyvllm.attention.triton_kernels as tk  # noqa: E402
-import tinyvllm.attention.triton_ops as tops  # noqa: E402
+import tinyvllm.kernels.triton.attention as tk  # noqa: E402
+import tinyvllm.kernels.triton.ops as tops  # noqa: E402
 
 # If something imported these modules before the env var was set, their
 # kernels were decorated as compiled kernels; without CUDA, re-decorate them.
@@ -429,8 +429,8 @@ import os, sys
 import torch, triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-import tinyvllm.attention.triton_kernels as tk
-import tinyvllm.attention.triton_ops as tops
+import tinyvllm.kernels.triton.attention as tk
+import tinyvllm.kernels.triton.ops as tops
 
 assert not tk._interpreting()
 TARGET = GPUTarget("cuda", 90, 32)

@@ -5,7 +5,7 @@ download: :func:`write_dummy_model_dir` writes the config of a known shape and a
 word-level tokenizer over its whole vocabulary (token ``i`` is the word ``w{i}``;
 ids 0/1/2 are ``<unk>``/``<s>``/``</s>``), so every id the random model samples
 detokenizes. The engine then fills the weights with seeded random values
-(:func:`tinyvllm.model.llama.init_dummy_weights`).
+(:func:`tinyvllm.model.weights.init_dummy_weights`).
 """
 
 from __future__ import annotations

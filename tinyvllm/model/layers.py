@@ -1,4 +1,7 @@
-"""Llama building blocks: RMSNorm and rotary position embeddings (default and llama3 scaling)."""
+"""Llama building blocks: RMSNorm and rotary position embeddings (default and llama3 scaling).
+
+No backend dispatch here: the per-layer ops are the attention backend's (:mod:`tinyvllm.attention`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tinyvllm.attention import torch_ref
 
 
 class RMSNorm(nn.Module):
@@ -24,30 +29,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise ``x`` [T, H]; with ``residual`` [T, H], first ``x = x + residual`` (in the model
-        dtype) and return ``(normed, x)`` — the fused residual add of a pre-norm transformer."""
-        from tinyvllm.attention.backend import cpu_kernel, use_triton
-
-        if use_triton(x.device):  # GPU: one fused Triton kernel instead of ~8 element-wise launches
-            from tinyvllm.attention import triton_ops
-
-            out, res = triton_ops.rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, res)
-        kern = cpu_kernel() if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) else None
-        if kern is not None:
-            out, res = kern.rms_norm(x.contiguous(), residual, self.weight, self.eps)
-            return out if residual is None else (out, res)
-        if residual is not None:
-            x = x + residual
-            return self._norm(x), x
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(var + self.eps)
-        return self.weight * h.to(dtype)
+        """Normalise ``x`` [T, H] (the PyTorch reference, :func:`tinyvllm.attention.torch_ref.rms_norm`);
+        with ``residual`` [T, H], first ``x = x + residual`` (in the model dtype) and return
+        ``(normed, x)`` — the fused residual add of a pre-norm transformer. (The model's forward calls
+        its attention backend's ``rms_norm`` with this module's weight and eps instead.)"""
+        out, x = torch_ref.rms_norm(x, residual, self.weight, self.eps)
+        return out if residual is None else (out, x)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -120,16 +107,3 @@ class RotaryEmbedding(nn.Module):
         if self._cos_sin is None or self._cos_sin.shape[0] != cos.shape[0]:
             self._cos_sin = torch.cat([cos, sin], dim=-1).contiguous()
         return self._cos_sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, D] (rotate-half layout) by ``cos``/``sin`` [T, 1, D/2]; math in float32."""
-    return _rotate(x, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)

@@ -1,9 +1,11 @@
 """Llama architecture (Touvron et al. 2023) over a packed batch with a paged KV cache.
 
 All sequences' new tokens are flattened into one ``[num_tokens]`` tensor with
-their ``positions``; there is no padding. Attention writes new keys/values into
-the paged cache through the slot mapping and reads each sequence's context
-through its block table (:mod:`tinyvllm.attention.backend`).
+their ``positions``; there is no padding. The model holds the weights and runs
+one loop over its layers; the per-layer ops (RMSNorm + residual, RoPE + KV-cache
+write + paged attention, the SwiGLU activation) are those of the attention
+backend bound once with :meth:`LlamaForCausalLM.bind_attn_backend`
+(:mod:`tinyvllm.attention`). Weight loading is in :mod:`tinyvllm.model.weights`.
 """
 
 from __future__ import annotations
@@ -11,15 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.attention.backend import AttentionMetadata, paged_attention
-from tinyvllm.config import LOAD_FORMATS
-from tinyvllm.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+from tinyvllm.attention.base import AttentionBackend
+from tinyvllm.model.layers import RMSNorm, RotaryEmbedding
 
 
 @dataclass
@@ -130,30 +131,9 @@ class Linear(nn.Linear):
         return batch_invariant_linear(x, self.weight, self.bias)
 
 
-class RopeInputs:
-    """Per-step rotary inputs shared by all layers: positions [T] int64 and the cos/sin tables."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
-        from tinyvllm.attention.backend import cpu_kernel, use_triton
-
-        self.positions = positions
-        self.rotary = rotary
-        # On CUDA avoid a host read-back (CUDA-graph capture): the tables cover max_position anyway.
-        needed = rotary.max_position if positions.is_cuda else (int(positions.max().item()) + 1 if positions.numel() else 1)
-        self.cos_table, self.sin_table = rotary.tables(needed)
-        # GPU path: the fused Triton rotary kernel, in place on q and k, reading this [n, D] table.
-        self.cos_sin_cache = rotary.cos_sin_cache(needed) if use_triton(positions.device) else None
-        self.kernel = cpu_kernel() if positions.device.type == "cpu" and self.cos_sin_cache is None else None
-        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin at each token's position: [T, 1, D/2] float32 each."""
-        if self._gathered is None:
-            self._gathered = (self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1))
-        return self._gathered
-
-
 class LlamaAttention(nn.Module):
+    """The attention block's weights; the computation is the backend's (:meth:`AttentionBackend.attention`)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -165,32 +145,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, rope: "RopeInputs", x: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        # (On the CPU with the C++ kernels, LlamaForCausalLM._forward_cpu runs instead of this.)
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if rope.cos_sin_cache is not None:  # GPU: rotate q and k in place inside the fused qkv output
-            from tinyvllm.attention import triton_ops
-
-            qkv = qkv.view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            q, k = qkv[:, : self.num_heads], qkv[:, self.num_heads: self.num_heads + self.num_kv_heads]
-            v = qkv[:, self.num_heads + self.num_kv_heads:]
-            triton_ops.rotary_embedding(rope.positions, q, k, rope.cos_sin_cache)
-            o = paged_attention(q, k, v, kv_cache, md, self.scale)
-            return self.o_proj(o.reshape(T, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        cos, sin = rope.gathered()
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, md, self.scale)
-        return self.o_proj(o.reshape(T, self.q_size))
-
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward (Shazeer 2020) weights: ``down(silu(gate(x)) * up(x))``, gate and up fused."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -198,18 +155,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        from tinyvllm.attention.backend import cpu_kernel
-
-        kern = cpu_kernel() if gu.device.type == "cpu" and gu.dtype in (torch.bfloat16, torch.float32) else None
-        if kern is not None:
-            return self.down_proj(kern.silu_and_mul(gu))
-        gate, up = gu.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
 
 class LlamaDecoderLayer(nn.Module):
+    """A pre-norm block's weights (the loop is :meth:`LlamaForCausalLM.forward`)."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -217,20 +166,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, rope: "RopeInputs", x: torch.Tensor, residual: torch.Tensor | None, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block with the residual stream carried separately: returns (mlp output, residual)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(rope, h, kv_cache, md)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
 
 class LlamaForCausalLM(nn.Module):
-    """Llama decoder with an LM head (tied to the embedding or separate)."""
+    """Llama decoder with an LM head (tied to the embedding or separate).
+
+    Call :meth:`bind_attn_backend` once before :meth:`forward`.
+    """
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -241,51 +182,83 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head_packed: torch.Tensor | None = None  # tied head packed for the CPU GEMM (pack_for_cpu)
         self._kern: Any = None  # the C++ kernels module, once pack_for_cpu packed the weights
-        self._plan: list[tuple] | None = None  # per-layer modules/tensors of _forward_cpu, built on first use
+        self.attn_backend: AttentionBackend | None = None
+        self._plan: list[tuple] = []  # per layer, the tensors and linear layers forward reads (bind_attn_backend)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    @property
+    def packed(self) -> bool:
+        """Whether the linear weights are packed for the C++ GEMM (:meth:`pack_for_cpu`)."""
+        return self.lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None
+                                                      for m in self.modules())
+
+    def bind_attn_backend(self, backend: AttentionBackend) -> None:
+        """Run every later :meth:`forward` with ``backend``'s ops (chosen once, e.g. by
+        :func:`tinyvllm.attention.selector.get_attn_backend`). The C++ backend packs the linear
+        weights for its GEMM (:meth:`pack_for_cpu`; once: binding again, as engines sharing one
+        model do, changes nothing).
+
+        Raises:
+            ValueError: the weights are packed for the C++ GEMM but ``backend`` does not run it.
+        """
+        if backend.cpu_gemm is not None:
+            self.pack_for_cpu(backend.cpu_gemm)
+        elif self.packed:
+            raise ValueError(f"the weights are packed for the C++ GEMM; the {backend.name!r} attention backend "
+                             "cannot run them (load the model again)")
+        self._plan = [(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.self_attn.qkv_proj,
+                       layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
+                       layer.post_attention_layernorm.eps, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                      for layer in self.layers]
+        self.attn_backend = backend
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata) -> torch.Tensor:
+                md: Any) -> torch.Tensor:
         """Run the decoder over a packed batch.
+
+        One loop over the layers' tensors, calling the bound backend's ops and the linear layers'
+        ``forward`` directly (no ``nn.Module`` dispatch on the hot path).
 
         Args:
             input_ids: [T] int64 new tokens of all sequences, packed.
             positions: [T] int64 position of each token in its sequence.
             kv_caches: per layer, [2, num_blocks, block_size, Hk, D] in the model dtype.
-            md: attention metadata for this step.
+            md: this step's metadata, built by the bound backend's ``build_metadata``.
         Returns:
             [T, hidden] final hidden states (after the last RMSNorm).
         """
-        rope = RopeInputs(self.rotary, positions)
-        if rope.kernel is not None and md.token_seq is not None and input_ids.device.type == "cpu" \
-                and self.embed_tokens.weight.dtype in (torch.bfloat16, torch.float32):
-            return self._forward_cpu(rope, input_ids, kv_caches, md)
-        x = self.embed_tokens(input_ids)
+        be = self.attn_backend
+        if be is None:
+            raise RuntimeError("no attention backend bound: call bind_attn_backend(get_attn_backend(device, dtype))")
+        norm, attention, act = be.rms_norm, be.attention, be.silu_and_mul
+        cfg = self.config
+        hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        scale = d ** -0.5
+        rope = be.rope_inputs(self.rotary, positions)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv, md)
-        return self.norm(x, residual)[0]
+        for (ln1, eps1, qkv_proj, o_proj, ln2, eps2, gate_up_proj, down_proj), kv in zip(self._plan, kv_caches):
+            h, residual = norm(x, residual, ln1, eps1)
+            o = attention(qkv_proj.forward(h), kv, md, rope, hq, hk, d, scale)
+            h, residual = norm(o_proj.forward(o), residual, ln2, eps2)
+            x = down_proj.forward(act(gate_up_proj.forward(h)))
+        return norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
-    def pack_for_cpu(self) -> bool:
+    def pack_for_cpu(self, kern: Any) -> bool:
         """Pack every linear weight (and the tied LM head) for the batch-invariant bf16 GEMM of
-        ``cpu_gemm.cpp``. Only for bfloat16 weights on the CPU, with the C++ kernels built for
-        AVX512-BF16. The unpacked layer weights are freed (the embedding table stays for token
-        lookup; a tied head therefore costs vocab x hidden x 2 bytes more), so ``state_dict()``
-        shows empty layer weights and :meth:`load_weights` refuses to run afterwards.
+        ``cpu_gemm.cpp`` (``kern``: the C++ kernels module, built for AVX512-BF16). Only for bfloat16
+        weights on the CPU. The unpacked layer weights are freed (the embedding table stays for token
+        lookup; a tied head therefore costs vocab x hidden x 2 bytes more), so ``state_dict()`` shows
+        empty layer weights and :func:`tinyvllm.model.weights.load_weights` refuses to run afterwards.
 
         Returns:
-            whether the weights were packed.
+            whether the weights were packed (False: not bf16 on the CPU, or already packed).
         """
         w = self.embed_tokens.weight
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or self.lm_head_packed is not None:
-            return False
-        from tinyvllm.attention.backend import cpu_kernel
-
-        kern = cpu_kernel()
-        if kern is None or not kern.gemm_has_bf16_kernel():  # the portable GEMM loop is far slower than oneDNN
             return False
         for mod in self.modules():
             if isinstance(mod, Linear) and mod.packed is None:
@@ -295,36 +268,6 @@ class LlamaForCausalLM(nn.Module):
         self._kern = kern
         return True
 
-    def _cpu_plan(self) -> list[tuple]:
-        """Per layer, the modules and norm weights the fused C++ path needs (built once; nothing copied)."""
-        if self._plan is None:
-            plan = []
-            for layer in self.layers:
-                a, m = layer.self_attn, layer.mlp
-                plan.append((layer.input_layernorm.weight, layer.input_layernorm.eps, a.qkv_proj, a.o_proj,
-                             layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                             m.gate_up_proj, m.down_proj))
-            self._plan = plan
-        return self._plan
-
-    def _forward_cpu(self, rope: RopeInputs, input_ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                     md: AttentionMetadata) -> torch.Tensor:
-        """The same computation as the module path (same kernels, same order), as one flat loop over
-        the layers' tensors: no ``nn.Module`` dispatch, ~10 calls per layer."""
-        kern = rope.kernel
-        cfg = self.config
-        hq, hk, scale = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim ** -0.5
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        residual = None
-        cos, sin, pos = rope.cos_table, rope.sin_table, rope.positions
-        for (ln1, eps1, qkv_proj, o_proj, ln2, eps2, gate_up_proj, down_proj), kv in zip(self._cpu_plan(), kv_caches):
-            h, residual = kern.rms_norm(x, residual, ln1, eps1)
-            o = kern.rope_cache_attention(qkv_proj.forward(h), cos, sin, pos, kv, md.slot_mapping, md.block_tables,
-                                          md.token_seq, hq, hk, scale)
-            h, residual = kern.rms_norm(o_proj.forward(o), residual, ln2, eps2)
-            x = down_proj.forward(kern.silu_and_mul(gate_up_proj.forward(h)))
-        return kern.rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         if self.lm_head is not None:
@@ -333,116 +276,3 @@ class LlamaForCausalLM(nn.Module):
             cfg = self.config
             return self._kern.gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()
         return batch_invariant_linear(hidden, self.embed_tokens.weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (``model.layers.N.self_attn.q_proj.weight`` ...) into this module.
-
-        Q/K/V are packed into ``qkv_proj`` and gate/up into ``gate_up_proj``.
-
-        Raises:
-            ValueError: an unexpected tensor name or shape, or missing tensors.
-            RuntimeError: the weights were already packed by :meth:`pack_for_cpu`.
-        """
-        if self.lm_head_packed is not None or any(isinstance(m, Linear) and m.packed is not None
-                                                   for m in self.modules()):
-            raise RuntimeError("weights are packed for the CPU GEMM (pack_for_cpu); build a new model to load weights")
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        shard = {
-            "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
-        }
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            n = name[len("model."):] if name.startswith("model.") else name
-            if n == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            parts = n.split(".")
-            target, offset, size = n, None, None
-            if len(parts) >= 2 and parts[-2] in shard:
-                fused, offset, size = shard[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            if target not in params:
-                raise ValueError(f"unexpected weight {name!r} (no parameter {target!r})")
-            p = params[target]
-            with torch.no_grad():
-                dst = p.data if offset is None else p.data.narrow(0, offset, size)
-                if dst.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
-            loaded.add(f"{target}@{offset}")
-        expected = 0
-        for pname in params:
-            if "qkv_proj" in pname:
-                expected += 3
-            elif "gate_up_proj" in pname:
-                expected += 2
-            else:
-                expected += 1
-        if len(loaded) != expected:
-            raise ValueError(f"model weights incomplete: loaded {len(loaded)} of {expected} tensors")
-
-
-def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Fill ``model`` with seeded random weights (vLLM's ``--load-format dummy``), on its own device.
-
-    Linear weights ~ N(0, 1/in_features) so activations stay O(1) through any depth;
-    the embedding ~ N(0, 0.02^2) (Hugging Face's ``initializer_range``); RMSNorm weights 1;
-    biases 0. Outputs are meaningless but finite, which is all a speed measurement needs.
-    """
-    dev = next(model.parameters()).device
-    g = torch.Generator(device=dev)
-    g.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed_tokens" in name:
-                p.normal_(0.0, 0.02, generator=g)
-            elif p.dim() == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:  # RMSNorm weights
-                p.fill_(1.0)
-
-
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", *,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
-    """Build a :class:`LlamaForCausalLM` from an HF-style directory of safetensors.
-
-    Args:
-        load_format: ``auto`` reads ``*.safetensors``; ``dummy`` reads only ``config.json``
-            and fills the weights with :func:`init_dummy_weights` (``seed``).
-
-    Raises:
-        ValueError: unsupported config or mismatched weights; unknown ``load_format``.
-    """
-    from safetensors import safe_open
-
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    model_dir = Path(model_dir)
-    cfg = LlamaConfig.from_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    # Buffers built on the meta device must be recomputed.
-    model.rotary.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-    files = sorted(model_dir.glob("*.safetensors"))
-
-    def weights() -> Iterable[tuple[str, torch.Tensor]]:
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                for key in fh.keys():
-                    yield key, fh.get_tensor(key)
-
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
-    else:
-        model.load_weights(weights())
-    model.eval()
-    model.pack_for_cpu()
-    return model

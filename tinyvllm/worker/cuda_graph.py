@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.triton import TritonAttentionMetadata
 
 logger = logging.getLogger("tinyvllm")
 
@@ -78,10 +78,9 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ forward over the static buffers
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata.for_triton(self.slot_mapping[:bs], self.block_tables[:bs], self.block_size,
-                                            self.seq_lens[:bs], self.query_start_loc[: bs + 1], True,
-                                            list(range(bs + 1)))
+    def _metadata(self, bs: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
+                                       self.query_start_loc[: bs + 1], decode_only=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._metadata(bs))

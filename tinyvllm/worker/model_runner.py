@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyvllm.attention.backend import AttentionMetadata
+from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
 from tinyvllm.sample.sampler import Sampler, SamplingMetadata, make_generator
@@ -77,6 +77,8 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         self.dtype = dtype
+        self.attn_backend = get_attn_backend(self.device, dtype)  # chosen once; the model runs its ops
+        model.bind_attn_backend(self.attn_backend)
         # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
         # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
@@ -155,12 +157,13 @@ class ModelRunner:
 
     def _run_model(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
                    tables: list[list[int]]) -> torch.Tensor:
-        """Forward over the packed tokens; returns hidden states [T, hidden]."""
+        """The forward over the packed batch: [T, hidden] final hidden states (a decode-only step replays
+        a CUDA graph when one fits, else the backend's metadata is built and the model runs eagerly)."""
         gr = self.graph_runner
         if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
                 and gr.can_run(len(tables), max(len(t) for t in tables))):
             return gr.run(input_ids, positions, seq_lens, tables)
-        md = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        md = self.attn_backend.build_metadata(query_lens, seq_lens, tables, self.block_size)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return self.model(ids_t, pos_t, self.kv_caches, md)

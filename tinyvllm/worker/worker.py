@@ -22,7 +22,7 @@ import torch
 
 from tinyvllm import envs
 from tinyvllm.config import EngineConfig
-from tinyvllm.model.llama import load_model
+from tinyvllm.model.weights import load_model
 from tinyvllm.outputs import ModelRunnerOutput
 from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.worker.model_runner import ModelRunner

@@ -1,7 +1,7 @@
 """Fused Triton element-wise ops for the GPU path: RMSNorm (+ residual add)
 and rotary position embedding (rotate-half / GPT-NeoX / HF Llama layout).
 
-Like :mod:`tinyvllm.attention.triton_kernels` these launch on whatever device
+Like :mod:`tinyvllm.kernels.triton.attention` these launch on whatever device
 the tensors are on; CPU tensors work under ``TRITON_INTERPRET=1``.
 """
 

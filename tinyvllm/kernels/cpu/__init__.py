@@ -1,0 +1,57 @@
+"""The C++ CPU kernels (``cpu_kernel.cpp``: paged attention, fused RoPE + KV write + attention, RMSNorm,
+SiLU-and-mul; ``cpu_gemm.cpp``: the batch-invariant bf16 GEMM on packed weights), built on first use.
+
+:func:`cpu_kernels` compiles both sources once with ``torch.utils.cpp_extension`` into
+``$TINYVLLM_CACHE/torch_extensions`` and returns the extension module, or None if it cannot be built.
+Which attention backend uses them is decided elsewhere (:func:`tinyvllm.attention.selector.get_attn_backend`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+
+from tinyvllm import envs
+
+logger = logging.getLogger("tinyvllm")
+_KERNEL: object | None = None
+_KERNEL_TRIED = False
+SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"))
+
+
+def cpu_kernels():
+    """The compiled C++ kernels module, or None if it cannot be built (no compiler, no ninja...).
+
+    Built once per process; the build directory is keyed by the sources, flags, CPU and paths.
+    """
+    global _KERNEL, _KERNEL_TRIED
+    if _KERNEL_TRIED:
+        return _KERNEL
+    _KERNEL_TRIED = True
+    try:
+        from torch.utils.cpp_extension import load
+
+        cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+        # -march=native: the build is only valid on this kind of CPU, so its flags are part of the key.
+        cpu = ""
+        try:
+            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        except OSError:
+            pass
+        # The build records absolute paths (sources, the venv's torch headers): checkouts or venvs sharing
+        # one cache would otherwise overwrite each other's build and recompile (~30 s) on every switch.
+        where = f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}"
+        tag = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(cflags).encode()
+                             + cpu.encode() + where.encode()).hexdigest()[:10]
+        build = envs.TINYVLLM_CACHE / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
+        build.mkdir(parents=True, exist_ok=True)
+        _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(f) for f in SOURCES],
+                       extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as e:  # no compiler, no ninja...
+        logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch float64 reference backend", e)
+        _KERNEL = None
+    return _KERNEL
