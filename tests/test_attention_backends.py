@@ -63,12 +63,16 @@ def test_only_the_cpu_backend_packs_and_binding_twice_is_harmless(tiny_dir, monk
     if kern is None or not kern.gemm_has_bf16_kernel():
         pytest.skip("bf16 GEMM kernel not built on this CPU: weights stay unpacked")
     monkeypatch.delenv("TINYVLLM_ATTENTION")
+    with pytest.raises(ValueError, match="already runs"):  # engines sharing a model share its backend
+        m.bind_attn_backend(selector.get_attn_backend("cpu", torch.bfloat16))
+    assert isinstance(m.attn_backend, TorchAttentionBackend) and not m.packed
+    m = load_model(tiny_dir, torch.bfloat16)
     m.bind_attn_backend(selector.get_attn_backend("cpu", torch.bfloat16))
     assert m.packed
     first = m.lm_head.packed
     m.bind_attn_backend(selector.get_attn_backend("cpu", torch.bfloat16))  # a second engine on the same model
     assert m.lm_head.packed is first  # packed once
-    with pytest.raises(ValueError, match="packed"):
+    with pytest.raises(ValueError, match="already runs"):
         m.bind_attn_backend(TorchAttentionBackend("cpu"))
 
 

@@ -138,3 +138,15 @@ def test_abort_frees_blocks(smol_llm):
     eng.abort_request(rid)
     assert smol_llm.stats()["kv_blocks_used"] == 0
     assert not eng.has_unfinished_requests()
+
+
+def test_idle_step_drops_finished_requests_in_the_worker(smol_llm):
+    """The schedule that reports finished requests reaches the worker even when nothing else is scheduled,
+    so the model runner keeps no state of finished requests (none at all once the engine is idle)."""
+    from tinyvllm import SamplingParams
+
+    smol_llm.generate(["Hello there", "One two three"], SamplingParams(temperature=0, max_tokens=3))
+    core = smol_llm.llm_engine.core
+    assert not core.has_unfinished_requests()
+    core.step()  # idle: schedules nothing, but carries the last finishes
+    assert core.runner.requests == {}

@@ -123,7 +123,10 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
-        if not sched.is_empty:
+        if sched.is_empty:
+            if sched.finished_req_ids:  # nothing to run, but the worker must still drop the finished requests
+                self.model_executor.execute_model(sched)
+        else:
             result = self.model_executor.execute_model(sched)
             for req in self.scheduler.update_from_output(sched, result.sampled):
                 lp = result.logprobs.get(req.request_id)

@@ -202,8 +202,12 @@ class LlamaForCausalLM(nn.Module):
         model do, changes nothing).
 
         Raises:
-            ValueError: the weights are packed for the C++ GEMM but ``backend`` does not run it.
+            ValueError: the weights are packed for the C++ GEMM but ``backend`` does not run it; or a
+                backend of another kind is already bound (engines sharing one model share its backend).
         """
+        if self.attn_backend is not None and type(self.attn_backend) is not type(backend):
+            raise ValueError(f"this model already runs the {self.attn_backend.name!r} attention backend; engines "
+                             f"sharing it cannot use {backend.name!r} (load the model again)")
         if backend.cpu_gemm is not None:
             self.pack_for_cpu(backend.cpu_gemm)
         elif self.packed:

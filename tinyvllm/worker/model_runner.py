@@ -36,7 +36,8 @@ class CachedRequestState:
 
     Attributes:
         token_ids: prompt followed by every token sampled so far.
-        num_prompt_tokens: length of the prompt inside ``token_ids``.
+        prompt_token_ids / output_token_ids: the two parts of ``token_ids`` (kept apart so that the
+            sampler's penalties read them without a copy per step).
         block_ids: the request's block table (physical block ids, logical order).
         num_computed_tokens: tokens with KV, as of the last schedule.
         generator: a seeded request's own generator (on the runner's device), else None.
@@ -44,16 +45,17 @@ class CachedRequestState:
 
     req_id: str
     token_ids: list[int]
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
 
 class ModelRunner:
@@ -104,7 +106,8 @@ class ModelRunner:
         for new in sched.scheduled_new_reqs:
             sp = new.sampling_params
             self.requests[new.req_id] = CachedRequestState(
-                req_id=new.req_id, token_ids=list(new.prompt_token_ids), num_prompt_tokens=len(new.prompt_token_ids),
+                req_id=new.req_id, token_ids=list(new.prompt_token_ids), prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=[],
                 sampling_params=sp, eos_token_ids=frozenset(new.eos_token_ids), block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=make_generator(sp.seed, self.device) if sp.seed is not None else None)
@@ -152,7 +155,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         out = self._sample(logits, sample_reqs)
         for st in sample_reqs:  # the runner's own copy of the token history
-            st.token_ids.append(out.sampled[st.req_id])
+            st.append(out.sampled[st.req_id])
         return out
 
     def _run_model(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
@@ -173,14 +176,14 @@ class ModelRunner:
         banned = []
         for st in reqs:
             sp = st.sampling_params
-            if st.num_output_tokens < sp.min_tokens:  # EOS and stop ids wait until min_tokens
+            if len(st.output_token_ids) < sp.min_tokens:  # EOS and stop ids wait until min_tokens
                 banned.append(sorted(st.eos_token_ids | set(sp.stop_token_ids or [])))
             else:
                 banned.append([])
         smd = SamplingMetadata.build(
             [st.sampling_params for st in reqs],
-            [st.token_ids[:st.num_prompt_tokens] for st in reqs],
-            [st.token_ids[st.num_prompt_tokens:] for st in reqs],
+            [st.prompt_token_ids for st in reqs],
+            [st.output_token_ids for st in reqs],
             [st.generator for st in reqs],
             banned,
             device=self.device,
