@@ -16,6 +16,12 @@ step N overlaps the forward pass of step N+1.
 
 The model is resolved (a GGUF converted and cached) once, here, before the core
 process starts; the core gets the resolved directory and only loads it.
+
+Start-up overlaps the two processes: ``AsyncLLM(..., launch=True)`` binds the
+sockets and spawns the core right after resolving the model, and only then loads
+the tokenizer (transformers) while the core imports torch and maps the weights.
+This module therefore imports nothing heavy at import time (no transformers,
+tokenizers, prometheus_client): a server imports it before it spawns the core.
 """
 
 from __future__ import annotations
@@ -40,9 +46,6 @@ from tinyvllm.engine.core_proc import run_engine_core
 from tinyvllm.engine.input_processor import InvalidRequestError, check_prompt, fan_out
 from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady,
                                       EngineCoreRequestType, encode)
-from tinyvllm.engine.output_processor import OutputProcessor
-from tinyvllm.engine.tokenizer import eos_token_ids, load_tokenizer
-from tinyvllm.metrics.prometheus import ServerMetrics
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.model.loader import resolve_model
 from tinyvllm.outputs import CompletionOutput, RequestOutput
@@ -160,15 +163,12 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO",
-                 start_timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
+                 start_timeout: float = DEFAULT_START_TIMEOUT_S, *, launch: bool = False) -> None:
         self.config = config
         self.log_level = log_level
         self.start_timeout = start_timeout
         self.resolved = resolve_model(config.model_config.model, config.model_config.load_format)
-        self.tokenizer = load_tokenizer(self.resolved.model_dir)
         self.model_name = served_model_name or self.resolved.served_name
-        self.processor = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(self.model_name)
         self.max_waiting_requests = config.scheduler_config.max_waiting_requests
         self.max_model_len = 0
         self.vocab_size = 0
@@ -187,11 +187,25 @@ class AsyncLLM:
         self._out_sock: zmq.asyncio.Socket | None = None
         self._output_task: asyncio.Task | None = None
         self._stopped = False
+        self._launched_at = 0.0
         # Called (in the event loop) once the core has died; the server uses it to exit.
         self.on_dead: Callable[[BaseException], None] | None = None
         self._output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._ready_decoder = msgspec.msgpack.Decoder(EngineCoreReady)
         self._error_decoder = msgspec.msgpack.Decoder(EngineCoreError)
+        if launch:  # the core loads the model while this process imports transformers and the tokenizer
+            self.launch()
+        try:
+            from tinyvllm.engine.output_processor import OutputProcessor
+            from tinyvllm.engine.tokenizer import load_tokenizer
+            from tinyvllm.metrics.prometheus import ServerMetrics
+
+            self.tokenizer = load_tokenizer(self.resolved.model_dir)
+            self.processor = OutputProcessor(self.tokenizer)
+            self.metrics = ServerMetrics(self.model_name)
+        except BaseException:
+            self.close(timeout=2.0)  # no core process left behind
+            raise
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -202,13 +216,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._dead is None and self._proc is not None and self._proc.is_alive()
 
-    async def start(self, should_cancel: Callable[[], bool] | None = None) -> None:
-        """Start the core process and wait until it reports ready.
-
-        Raises:
-            EngineStartError: the core failed to load, exited, or did not become ready in time.
-            EngineStartCancelled: ``should_cancel()`` turned true while waiting.
-        """
+    def launch(self) -> None:
+        """Bind the two ``ipc://`` sockets and spawn the core process (it connects and loads the model);
+        returns at once. Idempotent; :meth:`start` calls it if it has not run."""
+        if self._proc is not None:
+            return
         self._tmpdir = tempfile.mkdtemp(prefix="tinyvllm-ipc-")
         in_addr = f"ipc://{self._tmpdir}/input"
         out_addr = f"ipc://{self._tmpdir}/output"
@@ -226,8 +238,19 @@ class AsyncLLM:
         self._proc = mp.Process(target=run_engine_core, name="EngineCore",
                                 args=(self.config, self.resolved, in_addr, out_addr, os.getpid(), self.log_level))
         self._proc.start()
+        self._launched_at = time.monotonic()
         logger.info("engine core process started (pid %d); loading %s", self._proc.pid, self.resolved.model_dir)
-        deadline = time.monotonic() + self.start_timeout
+
+    async def start(self, should_cancel: Callable[[], bool] | None = None) -> None:
+        """Start the core process (unless :meth:`launch` did) and wait until it reports ready.
+
+        Raises:
+            EngineStartError: the core failed to load, exited, or did not become ready in time.
+            EngineStartCancelled: ``should_cancel()`` turned true while waiting.
+        """
+        self.launch()
+        assert self._proc is not None and self._out_sock is not None
+        deadline = self._launched_at + self.start_timeout
         while True:
             if await self._out_sock.poll(100):
                 tag, payload = await self._out_sock.recv_multipart()
@@ -247,6 +270,8 @@ class AsyncLLM:
         info = self.engine_info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
+        from tinyvllm.engine.tokenizer import eos_token_ids
+
         self.eos_token_ids = eos_token_ids(self.tokenizer, types.SimpleNamespace(eos_token_id=info.eos_token_id))
         self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
         self.metrics.update_from_stats(self.stats)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
@@ -20,6 +21,8 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
             return cls.from_pretrained(str(model_dir))
         except Exception:  # pragma: no cover - let AutoTokenizer decide (and report)
             pass
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # pragma: no cover - depends on the directory
@@ -38,11 +41,11 @@ def _declared_tokenizer_class(model_dir: Path) -> Any:
 
     ``AutoTokenizer`` would first load the model's config through ``AutoConfig``, which imports the
     whole ``transformers.models.<arch>`` package (1.5 s of the server's start-up, measured); a
-    generic tokenizer only needs its own class.
+    generic tokenizer only needs its own class. The class is taken from the ``transformers`` package
+    (a lazy attribute: only its module is imported), not through ``transformers.models.auto``, whose
+    ``configuration_utils`` imports torch (1.1 s of the API process's start-up, which needs no torch).
     """
     import json
-
-    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
     try:
         name = json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
@@ -50,7 +53,9 @@ def _declared_tokenizer_class(model_dir: Path) -> Any:
         return None
     if name not in _GENERIC_TOKENIZER_CLASSES:
         return None
-    return tokenizer_class_from_name(name)
+    import transformers
+
+    return getattr(transformers, name, None)
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_config: Any = None) -> list[int]:

@@ -89,7 +89,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tinyvllm.entrypoints.openai.api_server import run_server
+    from tinyvllm.entrypoints.openai.launcher import run_server
 
     return run_server(args) or 0
 
@@ -157,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tinyvllm.config import resolve_device
+    from tinyvllm.config import check_device_name, resolve_device
     from tinyvllm.model.loader import ModelNotFoundError
 
     if getattr(args, "device", None) is not None:
         try:  # before any process starts or weights load: one clear line, not an engine traceback
-            resolve_device(args.device)
+            # "auto" and "cpu" always resolve; only a CUDA device can be missing, and looking imports
+            # torch (1-2 s), which `serve` must not do before it has spawned the engine core
+            if check_device_name(args.device).startswith("cuda"):
+                resolve_device(args.device)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -86,7 +86,11 @@ class RotaryEmbedding(nn.Module):
                  rope_scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope_theta, rope_scaling), persistent=False)
+        # On the CPU even when the model is built on ``meta``: arithmetic on meta tensors runs Python
+        # reference implementations that import torch._dynamo (1.5 s). load_model recomputes it anyway.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._cos_sin: torch.Tensor | None = None

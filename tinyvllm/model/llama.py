@@ -119,6 +119,10 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # see Embedding.reset_parameters
+            super().reset_parameters()
+
     def pack(self, kern: Any) -> None:
         """Pack the [out, in] bf16 weight for ``kern.gemm_bf16`` and free the unpacked copy."""
         self.packed = kern.gemm_pack_bf16(self.weight.data.contiguous())
@@ -129,6 +133,19 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that does not initialise a weight on the meta device.
+
+    :func:`~tinyvllm.model.weights.load_model` builds the model on ``meta`` and then assigns or loads
+    every tensor; "initialising" a meta tensor (``normal_``, ``uniform_``) runs a Python reference
+    implementation that imports ``torch._dynamo`` (1.5 s of every engine start, measured).
+    """
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class LlamaAttention(nn.Module):
@@ -176,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)

@@ -22,9 +22,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported by the conversion only: resolving a cached model imports nothing heavy
+    import numpy as np
 
 DEFAULT_MODEL_ALIAS = "SmolLM2-135M-Instruct"
 _ALIASES = {
@@ -202,6 +203,7 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    import numpy as np
     import torch
     from safetensors.torch import save_file
 

@@ -8,6 +8,9 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 ``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``.
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
+Start-up (:func:`tinyvllm.entrypoints.openai.launcher.run_server`) spawns the engine core before
+this module is imported, so its imports overlap the model load.
+
 Shutdown (SIGINT / SIGTERM): in-flight requests end at once (streams with an
 error event and ``data: [DONE]``), uvicorn closes its connections, then the
 engine core process is told to exit and is joined (terminated, then killed, if
@@ -19,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import socket
 from typing import Any
 
 import uvicorn
@@ -30,7 +31,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
-from tinyvllm.config import EngineArgs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
@@ -39,6 +39,7 @@ from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
 from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tinyvllm.entrypoints.openai.launcher import run_server  # noqa: F401 - the entry point, re-exported
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tinyvllm.api_server")
@@ -147,17 +148,6 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] | None, signals: list[int]) -> int:
     try:
         try:
@@ -187,37 +177,3 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         return 0 if server.started and not died else 1
     finally:
         await engine.shutdown()
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Start the engine core process and serve HTTP until SIGINT/SIGTERM; returns the exit code."""
-    level = getattr(logging, str(args.log_level).upper(), logging.INFO)
-    logging.getLogger().setLevel(level)
-    logging.getLogger("tinyvllm").setLevel(level)
-    try:
-        if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
-        config = EngineArgs.from_cli_args(args).create_engine_config()
-    except (TypeError, ValueError) as e:
-        logger.error("invalid engine options: %s", e)
-        return 2
-    if not _port_free(args.host, args.port):
-        logger.error("cannot listen on %s:%d: address already in use", args.host, args.port)
-        return 1
-    # Until uvicorn takes them over (and again after it hands them back), SIGINT/SIGTERM are only
-    # recorded: start-up polls the record and stops in order, so no engine process is left behind.
-    signals: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: signals.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    engine = None
-    try:
-        served = args.served_model_name
-        engine = AsyncLLM(config, served_model_name=served[0] if served else None, log_level=args.log_level)
-        if signals:
-            return 0
-        return asyncio.run(_serve(args, engine, served, signals))
-    finally:
-        if engine is not None:
-            engine.close(timeout=2.0)  # idempotent; covers an exception escaping the event loop
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

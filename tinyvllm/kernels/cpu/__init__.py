@@ -22,18 +22,38 @@ _KERNEL_TRIED = False
 SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"))
 
 
+_BUILT_MARKER = "tinyvllm_built"
+
+
+def _load_built(build: Path, name: str):
+    """The module ``name`` already built in ``build`` (the directory is keyed by everything the build
+    depends on), imported directly, or None. Skips ``cpp_extension.load``'s ninja up-to-date check
+    (a subprocess, ~0.1 s of every start). The marker is written only after a build that loaded."""
+    so = build / f"{name}.so"
+    try:
+        if (build / _BUILT_MARKER).read_text() != name or not so.is_file():
+            return None
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, so)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:  # noqa: BLE001 - no marker, or a stale or broken .so: build it with ninja
+        return None
+
+
 def cpu_kernels():
     """The compiled C++ kernels module, or None if it cannot be built (no compiler, no ninja...).
 
-    Built once per process; the build directory is keyed by the sources, flags, CPU and paths.
+    Built once per process; the build directory is keyed by the sources, flags, CPU and paths. A build
+    that exists is imported directly (:func:`_load_built`).
     """
     global _KERNEL, _KERNEL_TRIED
     if _KERNEL_TRIED:
         return _KERNEL
     _KERNEL_TRIED = True
     try:
-        from torch.utils.cpp_extension import load
-
         cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
         # -march=native: the build is only valid on this kind of CPU, so its flags are part of the key.
         cpu = ""
@@ -48,9 +68,14 @@ def cpu_kernels():
                              + cpu.encode() + where.encode()).hexdigest()[:10]
         build = envs.TINYVLLM_CACHE / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)
-        _KERNEL = load(name=f"tinyvllm_cpu_kernels_{tag}", sources=[str(f) for f in SOURCES],
-                       extra_cflags=cflags,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        name = f"tinyvllm_cpu_kernels_{tag}"
+        _KERNEL = _load_built(build, name)
+        if _KERNEL is None:
+            from torch.utils.cpp_extension import load  # imports setuptools: only to build
+
+            _KERNEL = load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
+                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+            (build / _BUILT_MARKER).write_text(name)
     except Exception as e:  # no compiler, no ninja...
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch float64 reference backend", e)
         _KERNEL = None
