@@ -39,7 +39,6 @@ from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
 from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tinyvllm.entrypoints.openai.launcher import run_server  # noqa: F401 - the entry point, re-exported
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
 logger = logging.getLogger("tinyvllm.api_server")
