@@ -44,16 +44,14 @@ from tinyvllm import envs
 from tinyvllm.config import EngineConfig
 from tinyvllm.engine.core_proc import run_engine_core
 from tinyvllm.engine.input_processor import InvalidRequestError, check_prompt, fan_out
-from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady,
-                                      EngineCoreRequestType, encode)
+from tinyvllm.engine.messages import (ERROR_TAG, OUTPUTS_TAG, READY_TAG, EngineCoreError, EngineCoreOutputs,
+                                      EngineCoreReady, EngineCoreRequestType, encode)
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.model.loader import resolve_model
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tinyvllm.async_llm")
-_READY, _OUTPUTS, _ERROR = (t.value for t in (EngineCoreOutputType.READY, EngineCoreOutputType.OUTPUTS,
-                                              EngineCoreOutputType.ERROR))
 
 DEFAULT_START_TIMEOUT_S = envs.TINYVLLM_ENGINE_START_TIMEOUT
 
@@ -254,10 +252,10 @@ class AsyncLLM:
         while True:
             if await self._out_sock.poll(100):
                 tag, payload = await self._out_sock.recv_multipart()
-                if tag == _READY:
+                if tag == READY_TAG:
                     self.engine_info = self._ready_decoder.decode(payload)
                     break
-                if tag == _ERROR:
+                if tag == ERROR_TAG:
                     raise EngineStartError(f"engine core failed to start: {self._error_decoder.decode(payload).message}")
                 continue
             if not self._proc.is_alive():
@@ -438,9 +436,9 @@ class AsyncLLM:
                         raise EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode})")
                     continue
                 tag, payload = await self._out_sock.recv_multipart()
-                if tag == _OUTPUTS:
+                if tag == OUTPUTS_TAG:
                     self._handle_outputs(self._output_decoder.decode(payload))
-                elif tag == _ERROR:
+                elif tag == ERROR_TAG:
                     raise EngineDeadError(f"the engine core failed: {self._error_decoder.decode(payload).message}")
         except asyncio.CancelledError:
             raise

@@ -123,10 +123,7 @@ class EngineCore:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs: list[EngineCoreOutput] = []
-        if sched.is_empty:
-            if sched.finished_req_ids:  # nothing to run, but the worker must still drop the finished requests
-                self.model_executor.execute_model(sched)
-        else:
+        if not sched.is_empty or sched.finished_req_ids:  # an empty schedule may still carry finishes
             result = self.model_executor.execute_model(sched)
             for req in self.scheduler.update_from_output(sched, result.sampled):
                 lp = result.logprobs.get(req.request_id)

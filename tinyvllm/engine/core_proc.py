@@ -32,8 +32,8 @@ import msgspec
 import zmq
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.engine.messages import (EngineCoreError, EngineCoreOutputs, EngineCoreOutputType, EngineCoreReady,
-                                      EngineCoreRequest, EngineCoreRequestType, encode)
+from tinyvllm.engine.messages import (ERROR_TAG, OUTPUTS_TAG, READY_TAG, EngineCoreError, EngineCoreOutputs,
+                                      EngineCoreReady, EngineCoreRequest, EngineCoreRequestType, encode)
 
 logger = logging.getLogger("tinyvllm.core_proc")
 
@@ -41,8 +41,6 @@ _IDLE_POLL_MS = 500
 _PARENT_CHECK_S = 1.0
 _add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
 _ids_decoder = msgspec.msgpack.Decoder(list[str])
-_READY, _OUTPUTS, _ERROR = (t.value for t in (EngineCoreOutputType.READY, EngineCoreOutputType.OUTPUTS,
-                                              EngineCoreOutputType.ERROR))
 
 
 def _set_pdeathsig() -> None:
@@ -60,7 +58,7 @@ def _set_pdeathsig() -> None:
 
 def _send_error(sock: zmq.Socket, text: str) -> None:
     try:
-        sock.send_multipart([_ERROR, encode(EngineCoreError(text))])
+        sock.send_multipart([ERROR_TAG, encode(EngineCoreError(text))])
     except zmq.ZMQError:  # the API process is gone; nobody to tell
         pass
 
@@ -99,7 +97,7 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             stop["flag"] = True
 
         signal.signal(signal.SIGTERM, on_term)
-        out_sock.send_multipart([_READY, encode(EngineCoreReady(
+        out_sock.send_multipart([READY_TAG, encode(EngineCoreReady(
             pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_info.vocab_size,
             eos_token_id=core.model_info.eos_token_id, num_kv_blocks=core.num_blocks,
             block_size=config.cache_config.block_size, load_seconds=core.load_seconds,
@@ -171,7 +169,7 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         if stepped or changed:
             stats = core.make_stats()
             stats.num_added = num_added
-            msg = [_OUTPUTS, encode(EngineCoreOutputs(outputs, rejected, stats,
+            msg = [OUTPUTS_TAG, encode(EngineCoreOutputs(outputs, rejected, stats,
                                                       core.last_iteration if stepped else None, time.monotonic()))]
             while True:  # blocks only if the API process stops reading; never forever
                 try:

@@ -43,6 +43,11 @@ class EngineCoreOutputType(enum.Enum):
     ERROR = b"\x12"
 
 
+# The output tags as bytes, for comparing a received first frame without building an enum per message.
+READY_TAG, OUTPUTS_TAG, ERROR_TAG = (EngineCoreOutputType.READY.value, EngineCoreOutputType.OUTPUTS.value,
+                                     EngineCoreOutputType.ERROR.value)
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True):
     """One sequence to generate (an ``n > 1`` request is ``n`` of these, see
     :func:`~tinyvllm.engine.input_processor.fan_out`).

@@ -25,6 +25,7 @@ from typing import Iterable
 
 import torch
 
+from tinyvllm import envs
 from tinyvllm.config import LOAD_FORMATS
 from tinyvllm.model.layers import rope_inv_freq
 from tinyvllm.model.llama import LlamaConfig, LlamaForCausalLM
@@ -117,8 +118,6 @@ def prepared_weights_path(model_dir: str | Path, dtype: torch.dtype) -> tuple[Pa
     ``*.safetensors`` file, the dtype and :data:`PREPARED_VERSION`: changing any source file changes
     the key, so a stale file is never used.
     """
-    from tinyvllm.model.loader import cache_root
-
     model_dir = Path(model_dir).resolve()
     parts = [str(model_dir), str(dtype), f"v{PREPARED_VERSION}"]
     for f in [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]:
@@ -126,7 +125,7 @@ def prepared_weights_path(model_dir: str | Path, dtype: torch.dtype) -> tuple[Pa
         parts.append(f"{f.name}|{st.st_size}|{st.st_mtime_ns}")
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     name = f"{model_dir.name}-{str(dtype).replace('torch.', '')}-{key[:16]}.safetensors"
-    return cache_root() / "weights" / name, key
+    return envs.TINYVLLM_CACHE / "weights" / name, key
 
 
 def _load_prepared(path: Path, key: str, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
