@@ -87,3 +87,40 @@ def test_model_specific_tokenizer_class_goes_through_autotokenizer(tokenizer, tm
     ours, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
     text = "Hello world, 日本語 🎉 what's up?"
     assert ours(text)["input_ids"] == ref(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def _slow_decode(tokenizer, ids: list[int]) -> str:
+    """Reference: Hugging Face's slow-tokenizer join (PreTrainedTokenizer._decode with
+    spaces_between_special_tokens=True): runs of ordinary tokens decode together, each
+    added token is its own segment, segments joined with one space."""
+    added = set(tokenizer.added_tokens_decoder)
+    segs, run = [], []
+    for t in ids:
+        if t in added:
+            if run:
+                segs.append(tokenizer.decode(run))
+                run = []
+            segs.append(tokenizer.decode([t], skip_special_tokens=False))
+        else:
+            run.append(t)
+    if run:
+        segs.append(tokenizer.decode(run))
+    return " ".join(segs)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens(tokenizer, spaces):
+    msgs = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! ok"}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert sum(t in tokenizer.added_tokens_decoder for t in ids) >= 4  # the test needs special tokens
+    params = SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    d = IncrementalDetokenizer(tokenizer, [], params)
+    d.add_tokens(ids)
+    plain = tokenizer.decode(ids, skip_special_tokens=False)
+    assert d.text == (_slow_decode(tokenizer, ids) if spaces else plain)
+    assert d.text != plain if spaces else "<|im_end|>\n<|im_start|>" in d.text
+    # With special tokens skipped there is nothing to space out.
+    d2 = IncrementalDetokenizer(tokenizer, [], SamplingParams(spaces_between_special_tokens=True))
+    d2.add_tokens(ids)
+    assert d2.text == tokenizer.decode(ids, skip_special_tokens=True)

@@ -29,7 +29,7 @@ def test_defaults_are_valid() -> None:
     assert p.logprobs is None
     assert p.prompt_logprobs is None
     assert p.skip_special_tokens is True
-    assert p.spaces_between_special_tokens is True
+    assert p.spaces_between_special_tokens is False
     assert p.include_stop_str_in_output is False
     assert not p.is_greedy
     assert p.sampling_type is SamplingType.RANDOM

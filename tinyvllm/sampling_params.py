@@ -81,7 +81,10 @@ class SamplingParams:
             0 returns only the sampled token's logprob; None returns none.
         prompt_logprobs: number of top logprobs per prompt token (>= 0), or None.
         skip_special_tokens: drop special tokens when detokenizing.
-        spaces_between_special_tokens: join special tokens with spaces when detokenizing.
+        spaces_between_special_tokens: with ``skip_special_tokens=False``, put a space between
+            each added (special) token and the text around it, as Hugging Face's slow
+            tokenizers decode. Off by default: a fast tokenizer's decode (and vLLM's fast
+            detokenizer) joins them without spaces.
         include_stop_str_in_output: keep the matched stop string in the output text.
     """
 
@@ -102,7 +105,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:

@@ -35,6 +35,12 @@ class IncrementalDetokenizer:
         ctx = prompt_token_ids[-_PREFILL_CONTEXT:]
         self._stream = DecodeStream(ctx, skip_special_tokens=params.skip_special_tokens) if ctx else \
             DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # Hugging Face's slow-tokenizer decode: added tokens are segments of their own, joined
+        # to their neighbours with " " (PreTrainedTokenizer._decode, spaces_between_special_tokens).
+        self._added_ids: frozenset[int] = frozenset()
+        if params.spaces_between_special_tokens and not params.skip_special_tokens:
+            self._added_ids = frozenset(getattr(tokenizer, "added_tokens_decoder", {}) or ())
+        self._prev_added: bool | None = None  # None: no output text yet
         self.stop = list(params.stop or [])
         self.include_stop = params.include_stop_str_in_output
         self.text = ""
@@ -46,6 +52,11 @@ class IncrementalDetokenizer:
         for t in token_ids:
             piece = self._stream.step(self._tok, t)
             if piece:
+                if self._added_ids:
+                    added = t in self._added_ids
+                    if self._prev_added is not None and (added or self._prev_added):
+                        piece = " " + piece
+                    self._prev_added = added
                 self.text += piece
         if not self.stop:
             return None

@@ -51,7 +51,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
