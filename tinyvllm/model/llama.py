@@ -89,24 +89,37 @@ class LlamaConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
-def min_rows_for(dtype: torch.dtype) -> int:
-    """Smallest row count M for which CPU GEMM rows do not depend on M (measured, torch 2.13 + oneDNN/MKL):
-    bf16 gives a different result at M == 1 than at M >= 2 for some shapes (e.g. K = 1536); fp32 (MKL)
-    differs for M < 12. Padding small batches to this many rows keeps greedy outputs batch invariant."""
-    return 16 if dtype == torch.float32 else 2
+SLAB_ROWS = 16
+"""Rows per ``F.linear`` call in :func:`batch_invariant_linear`."""
 
 
 def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose row results do not depend on how many rows are in the batch.
 
-    ``x``: [M, in]; ``weight``: [out, in]. Pads M up to :func:`min_rows_for` with zero rows.
+    ``x``: [M, in]; ``weight``: [out, in]; returns [M, out] in ``x``'s dtype.
+
+    On the CPU the library GEMMs (oneDNN for bf16, MKL for fp32) pick their kernel by the shape, so a
+    row's result depends on M. Measured with torch 2.13 on an Intel Xeon with AMX: bf16 rows differ
+    between M = 5, 16, 32, 90 and 300 for every projection shape of SmolLM2, fp32 rows differ between
+    M = 64 and M = 300 at K = 1536; on an AMD EPYC only M == 1 (bf16) and M < 12 (fp32) differed.
+    What held on both: one fixed shape gives the same row whatever the row's position in it. So the
+    rows go through ``F.linear`` in slabs of exactly :data:`SLAB_ROWS` rows, the last one padded with
+    zero rows (tests/test_backend_exactness.py). This is the fallback path (no C++ build, no
+    AVX512-BF16, fp32 models); the packed bf16 GEMM of ``cpu_gemm.cpp`` is batch invariant by
+    construction. Other devices keep one ``F.linear`` call, padded to 2 rows.
     """
     m = x.shape[0]
-    need = min_rows_for(x.dtype)
-    if m >= need:
-        return F.linear(x, weight, bias)
-    pad = torch.zeros(need - m, x.shape[1], dtype=x.dtype, device=x.device)
-    return F.linear(torch.cat([x, pad]), weight, bias)[:m]
+    if x.device.type != "cpu":
+        if m >= 2:
+            return F.linear(x, weight, bias)
+        return F.linear(torch.cat([x, x.new_zeros(2 - m, x.shape[1])]), weight, bias)[:m]
+    r = SLAB_ROWS
+    pad = (-m) % r
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == r:
+        return F.linear(x, weight, bias)[:m]
+    return torch.cat([F.linear(x[i:i + r], weight, bias) for i in range(0, x.shape[0], r)])[:m]
 
 
 class Linear(nn.Linear):
@@ -114,7 +127,7 @@ class Linear(nn.Linear):
 
     On the CPU in bfloat16 with the C++ kernels, :meth:`pack` replaces the weight by the packed
     layout of ``gemm_bf16`` (``cpu_gemm.cpp``: batch invariant by construction, weights streamed
-    once per call); otherwise :func:`batch_invariant_linear` (``F.linear`` with padded rows).
+    once per call); otherwise :func:`batch_invariant_linear` (``F.linear`` over fixed-size row slabs).
     """
 
     packed: torch.Tensor | None = None
