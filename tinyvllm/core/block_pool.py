@@ -139,6 +139,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
         # Called with each hash that leaves the cache (eviction or reset); prefix-break diagnostics.
         self.on_evict: Callable[[int], None] | None = None
+        # Bumped whenever a block gains a second holder or a shared block loses one, so the per-request
+        # KV share (tinyvllm.core.kv_diagnostics.kv_block_share) is only recomputed when it may change.
+        self.share_version = 0
 
     # -- allocation ----------------------------------------------------------
 
@@ -186,6 +189,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+            else:
+                self.share_version += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix-cache hit).
@@ -195,6 +200,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+            else:
+                self.share_version += 1
             block.ref_cnt += 1
 
     # -- prefix cache --------------------------------------------------------

@@ -61,6 +61,8 @@ class Scheduler:
         # KV cost and prefix-break diagnostics (tinyvllm/core/kv_diagnostics.py).
         self.clock = clock
         self._last_charge: float | None = None
+        # request id -> (pool share_version, len(block table), share) of the last charge.
+        self._kv_share: dict[str, tuple[int, int, float]] = {}
         self.num_preempted_waiting = 0
         self.prefix_diag = PrefixCacheDiagnostics(cache_config.block_size)
         if cache_config.enable_prefix_caching:
@@ -102,6 +104,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req.request_id)
+        self._kv_share.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self._num_sent_blocks.pop(req.request_id, None)
         if req.request_id in self._known:
@@ -132,13 +135,22 @@ class Scheduler:
             return
         dt = now - last
         req_to_blocks = self.kv.req_to_blocks
+        version = self.kv.block_pool.share_version
+        cache = self._kv_share
         total = 0.0
         for req in self.running:
-            blocks = req_to_blocks.get(req.request_id)
-            if blocks:
-                share = kv_block_share(blocks) * dt
-                req.kv_block_seconds += share
-                total += share
+            rid = req.request_id
+            blocks = req_to_blocks.get(rid)
+            if not blocks:
+                continue
+            c = cache.get(rid)
+            if c is not None and c[0] == version and c[1] <= len(blocks):
+                share = c[2] + (len(blocks) - c[1])  # blocks added since are held by this request alone
+            else:
+                share = kv_block_share(blocks)
+            cache[rid] = (version, len(blocks), share)
+            req.kv_block_seconds += share * dt
+            total += share * dt
         self.stats.kv_block_seconds += total
 
     def _diagnose_prefix(self, req: Request, num_cached: int) -> None:
@@ -160,6 +172,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        self._kv_share.pop(req.request_id, None)
         self._num_sent_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

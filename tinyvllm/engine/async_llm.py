@@ -215,6 +215,11 @@ class AsyncLLM:
         return self._proc.pid if self._proc is not None else None
 
     @property
+    def accepting(self) -> bool:
+        """True between a successful :meth:`start` and the beginning of shutdown (or the core's death)."""
+        return self._accepting
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and self._proc is not None and self._proc.is_alive()
 
