@@ -184,6 +184,19 @@ def test_bad_prefix_cache_debug_is_a_400_naming_the_field(server):
     assert r.json()["error"]["param"] == "prefix_cache_debug"
 
 
+def test_bench_serve_prints_the_miss_reason_summary(server, capsys):
+    from tinyvllm.benchmarks import serve as bench
+
+    result = bench.main(["--base-url", server, "--model", MODEL, "--dataset", "shared-prefix", "--num-groups", "1",
+                         "--prefix-len", "64", "--suffix-len", "8", "--num-prompts", "4", "--output-len", "2",
+                         "--max-concurrency", "1", "--disable-tqdm", "--no-plot"])
+    out = capsys.readouterr().out
+    assert result["completed"] == 4
+    reasons = result["prefix_cache_miss_reasons"]
+    assert sum(reasons.values()) == 4 and reasons.get("partial_last_block", 0) >= 3  # one shared prefix
+    assert re.search(r"prefix-cache miss reasons \(4 prompts\): .*partial_last_block [34]", out), out
+
+
 # ---------------------------------------------------------------------------- dashboard over HTTP
 
 def test_dashboard_page_is_self_contained(server):
@@ -255,7 +268,9 @@ def test_dashboard_updates_in_a_real_browser(server, client, tmp_path):
                                        timeout=120000)
                 page.wait_for_function(f"Number(document.getElementById('blockmap').dataset.updates) >= {maps0} + 2",
                                        timeout=120000)
-                page.wait_for_function("document.querySelectorAll('#reqs tr').length > 0", timeout=60000)
+                page.wait_for_function("[...document.querySelectorAll('#reqs td:nth-child(2)')]"
+                                       ".some((td) => td.textContent === 'finished')", timeout=180000)
+                assert page.text_content("#ttft") != "- / - s"  # latency figures from finished requests
                 page.wait_for_timeout(1500)
                 shot = tmp_path / "dashboard.png"
                 page.screenshot(path=str(shot), full_page=True)
