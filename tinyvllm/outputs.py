@@ -69,6 +69,11 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # On the finished output: the KV cost summed over the samples (``kv_block_seconds``, ``peak_kv_blocks``,
+    # ``prefill_tokens_computed``, ``prefill_tokens_cached``), and the prefix-cache report
+    # (``tinyvllm.metrics.kv_stats.PrefixCacheReport``, with ``prefix_cache_debug``), else None.
+    kv_cost: dict | None = field(default=None, repr=False)
+    prefix_cache: object | None = field(default=None, repr=False)
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler

@@ -44,6 +44,12 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache when the
             request was first scheduled (-1 until then).
         max_tokens: resolved output limit (tokens).
+        prefix_cache_debug: build a prefix-cache report at first admission.
+        prefix_cache_report: that report (a ``tinyvllm.metrics.kv_stats.PrefixCacheReport``), or None.
+        kv_block_seconds: KV blocks held x seconds held, a block shared by k holders counting 1/k.
+        peak_num_blocks: most blocks held at once.
+        num_prefill_computed / num_prefill_cached: prompt (and recomputed) tokens computed, and served
+            from the prefix cache, over all admissions (preemption recomputes).
     """
 
     request_id: str
@@ -59,6 +65,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(default_factory=list)
+    prefix_cache_debug: bool = False
+    prefix_cache_report: object | None = None
+    kv_block_seconds: float = 0.0
+    peak_num_blocks: int = 0
+    num_prefill_computed: int = 0
+    num_prefill_cached: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

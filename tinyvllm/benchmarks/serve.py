@@ -503,6 +503,39 @@ def _result_stem(args: argparse.Namespace) -> str:
     return f"{args.dataset}-{model}-c{conc}-r{rate}-{stamp}"
 
 
+_MISS_REASON_RE = r'^tinyvllm:prefix_cache_miss_reason_total\{[^}]*reason="([^"]+)"[^}]*\}\s+(\S+)$'
+
+
+def fetch_miss_reasons(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """The server's prefix-cache miss-reason counters (tinyvllm's ``/metrics``), or None where it has none."""
+    import re
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        m = re.match(_MISS_REASON_RE, line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out or None
+
+
+def format_miss_reasons(before: dict[str, float] | None, after: dict[str, float] | None) -> str | None:
+    """One line: prompts of this run by prefix-cache miss reason (the counters' increase), or None."""
+    if after is None:
+        return None
+    before = before or {}
+    delta = {k: int(v - before.get(k, 0.0)) for k, v in sorted(after.items())}
+    total = sum(delta.values())
+    parts = ", ".join(f"{k} {v}" for k, v in delta.items() if v)
+    return f"prefix-cache miss reasons ({total} prompts): {parts or 'none'}"
+
+
 def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     from tinyvllm.benchmarks import report
 
@@ -514,6 +547,7 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--extra-body must be a JSON object")
     requests, meta = build_dataset(args)
 
+    reasons_before = fetch_miss_reasons(args.base_url, args.api_key)
     result = asyncio.run(
         run_benchmark(
             args.base_url,
@@ -536,7 +570,14 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     # Put dataset info before the metrics for readability.
     head = {"dataset": args.dataset, "dataset_args": meta, "label": args.label}
     result = {**head, **result}
+    reasons_after = fetch_miss_reasons(args.base_url, args.api_key)
+    if reasons_after is not None:
+        result["prefix_cache_miss_reasons"] = {k: int(v - (reasons_before or {}).get(k, 0.0))
+                                               for k, v in reasons_after.items()}
     print(report.format_table(result))
+    line = format_miss_reasons(reasons_before, reasons_after)
+    if line:
+        print(line)
     if result["completed"] == 0 and result["requests"]:
         print(f"first error: {result['requests'][0]['error']}", file=sys.stderr)
 

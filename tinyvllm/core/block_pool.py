@@ -23,7 +23,7 @@ freed blocks go to its tail.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 
 class KVCacheBlock:
@@ -137,6 +137,11 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # block hash -> the one block registered under it (owned or free).
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        # Called with each hash that leaves the cache (eviction or reset); prefix-break diagnostics.
+        self.on_evict: Callable[[int], None] | None = None
+        # Bumped whenever a block gains a second holder or a shared block loses one, so the per-request
+        # KV share (tinyvllm.core.kv_diagnostics.kv_block_share) is only recomputed when it may change.
+        self.share_version = 0
 
     # -- allocation ----------------------------------------------------------
 
@@ -165,6 +170,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash = None
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -182,6 +189,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+            else:
+                self.share_version += 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix-cache hit).
@@ -191,6 +200,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+            else:
+                self.share_version += 1
             block.ref_cnt += 1
 
     # -- prefix cache --------------------------------------------------------
@@ -230,6 +241,8 @@ class BlockPool:
         if self.free_block_queue.num_free_blocks != self.num_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash)
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True

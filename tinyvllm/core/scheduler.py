@@ -13,13 +13,17 @@ from prompt + output so far (vLLM's recompute preemption).
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from typing import Callable
 
 import msgspec
 
 from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.kv_diagnostics import PrefixCacheDiagnostics, kv_block_share
 from tinyvllm.metrics.stats import SchedulerStats
+from tinyvllm.metrics.kv_stats import DISABLED, PrefixCacheReport
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -29,10 +33,15 @@ class Scheduler:
 
     Its output is data (:class:`~tinyvllm.scheduler_output.SchedulerOutput`); the worker that runs
     it keeps its own per-request state, so the scheduler never shares a live object with it.
+
+    ``clock`` (seconds, default ``time.monotonic``) times the KV cost: each request's blocks are charged
+    ``share x (t_now - t_last)`` at every point where holdings may change (the start of ``schedule``,
+    ``update_from_output`` and ``abort_requests``), so ``Request.kv_block_seconds`` is the exact integral
+    of its block share (:func:`~tinyvllm.core.kv_diagnostics.kv_block_share`) over wall time.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -49,6 +58,15 @@ class Scheduler:
         self._num_sent_blocks: dict[str, int] = {}
         self._known: set[str] = set()
         self._finished_ids: list[str] = []
+        # KV cost and prefix-break diagnostics (tinyvllm/core/kv_diagnostics.py).
+        self.clock = clock
+        self._last_charge: float | None = None
+        # request id -> (pool share_version, len(block table), share) of the last charge.
+        self._kv_share: dict[str, tuple[int, int, float]] = {}
+        self.num_preempted_waiting = 0
+        self.prefix_diag = PrefixCacheDiagnostics(cache_config.block_size)
+        if cache_config.enable_prefix_caching:
+            self.kv.block_pool.on_evict = self.prefix_diag.on_evict
 
     # ------------------------------------------------------------------ queue ops
     def add_request(self, request: Request) -> None:
@@ -59,6 +77,7 @@ class Scheduler:
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish these requests as aborted and free their blocks at once; unknown ids are ignored."""
+        self._charge_kv()
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -69,6 +88,8 @@ class Scheduler:
                 # members still to admit; one of them leaving shrinks what is left to admit.
                 if list(self.waiting).index(req) < self._static_to_admit:
                     self._static_to_admit -= 1
+            if req.status == RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
             req.status = RequestStatus.FINISHED_ABORTED
             self._finish(req)
             aborted.append(req)
@@ -83,6 +104,7 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(req.request_id)
+        self._kv_share.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self._num_sent_blocks.pop(req.request_id, None)
         if req.request_id in self._known:
@@ -99,18 +121,64 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         """A snapshot: the cumulative counters plus the current queue and KV gauges."""
         st = msgspec.structs.replace(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
-                                     kv_blocks_used=self.kv.num_owned_blocks())
+                                     kv_blocks_used=self.kv.num_owned_blocks(),
+                                     num_preempted=self.num_preempted_waiting,
+                                     prefix_cache_miss_reasons=dict(self.stats.prefix_cache_miss_reasons))
         return st
+
+    # ------------------------------------------------------------------ KV cost, prefix diagnostics
+    def _charge_kv(self) -> None:
+        """Charge every running request its block share times the time since the last charge."""
+        now = self.clock()
+        last, self._last_charge = self._last_charge, now
+        if last is None or now <= last or not self.running:
+            return
+        dt = now - last
+        req_to_blocks = self.kv.req_to_blocks
+        version = self.kv.block_pool.share_version
+        cache = self._kv_share
+        total = 0.0
+        for req in self.running:
+            rid = req.request_id
+            blocks = req_to_blocks.get(rid)
+            if not blocks:
+                continue
+            c = cache.get(rid)
+            if c is not None and c[0] == version and c[1] <= len(blocks):
+                share = c[2] + (len(blocks) - c[1])  # blocks added since are held by this request alone
+            else:
+                share = kv_block_share(blocks)
+            cache[rid] = (version, len(blocks), share)
+            req.kv_block_seconds += share * dt
+            total += share * dt
+        self.stats.kv_block_seconds += total
+
+    def _diagnose_prefix(self, req: Request, num_cached: int) -> None:
+        """Classify the request's first prefix-cache lookup (counted by reason); keep a report if asked."""
+        if not self.kv.enable_caching:
+            if req.prefix_cache_debug:
+                req.prefix_cache_report = PrefixCacheReport(DISABLED, req.num_tokens // self.block_size, 0,
+                                                            self.block_size, 0)
+            return
+        hashes = self.kv.req_to_block_hashes.get(req.request_id, [])
+        reason, report = self.prefix_diag.diagnose(hashes, req.all_token_ids, num_cached // self.block_size,
+                                                   req.prefix_cache_debug)
+        reasons = self.stats.prefix_cache_miss_reasons
+        reasons[reason] = reasons.get(reason, 0) + 1
+        req.prefix_cache_report = report
+        self.prefix_diag.record_chain(hashes, req.all_token_ids)
 
     # ------------------------------------------------------------------ schedule
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        self._kv_share.pop(req.request_id, None)
         self._num_sent_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self.num_preempted_waiting += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.append(req.request_id)
         if self.config.scheduling_policy == "static":
@@ -135,14 +203,18 @@ class Scheduler:
             cached.new_block_ids.append(block_ids if sent is None else block_ids[sent:])
             cached.num_computed_tokens.append(req.num_computed_tokens)
         self._num_sent_blocks[rid] = len(block_ids)
+        if len(block_ids) > req.peak_num_blocks:
+            req.peak_num_blocks = len(block_ids)
         # A request is in "decode" when it computes exactly its newest output token.
         if req.num_output_tokens > 0 and num_new == 1 and req.num_computed_tokens + 1 == req.num_tokens:
             out.num_decode_tokens += 1
         else:
             out.num_prefill_tokens += num_new
+            req.num_prefill_computed += num_new
         out.total_num_scheduled_tokens += num_new
 
     def schedule(self) -> SchedulerOutput:
+        self._charge_kv()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData([], [], [], []),
@@ -205,6 +277,10 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.stats.cached_prompt_tokens += num_cached
+                self._diagnose_prefix(req, num_cached)
+            elif req.status == RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
+            req.num_prefill_cached += num_cached
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -230,6 +306,7 @@ class Scheduler:
         Returns:
             requests that got a new token or finished this step (in schedule order).
         """
+        self._charge_kv()
         touched = []
         for rid, num_new in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)

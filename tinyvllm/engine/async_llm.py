@@ -94,6 +94,8 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.finished = b.finished
     a.metrics = b.metrics
     a.num_cached_tokens = b.num_cached_tokens
+    a.kv_cost = b.kv_cost
+    a.prefix_cache = a.prefix_cache if b.prefix_cache is None else b.prefix_cache
     return a
 
 
@@ -188,6 +190,8 @@ class AsyncLLM:
         self._launched_at = 0.0
         # Called (in the event loop) once the core has died; the server uses it to exit.
         self.on_dead: Callable[[BaseException], None] | None = None
+        # Called (in the event loop) with every OUTPUTS message and its request outputs; the dashboard.
+        self.step_listeners: list[Callable[[EngineCoreOutputs, list[RequestOutput]], None]] = []
         self._output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._ready_decoder = msgspec.msgpack.Decoder(EngineCoreReady)
         self._error_decoder = msgspec.msgpack.Decoder(EngineCoreError)
@@ -209,6 +213,11 @@ class AsyncLLM:
     @property
     def engine_pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def accepting(self) -> bool:
+        """True between a successful :meth:`start` and the beginning of shutdown (or the core's death)."""
+        return self._accepting
 
     @property
     def is_running(self) -> bool:
@@ -376,9 +385,11 @@ class AsyncLLM:
                     f"{self.max_waiting_requests}); retry later")
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None, *, checked: bool = False) -> RequestStream:
+                    arrival_time: float | None = None, *, checked: bool = False, prefix_cache_debug: bool = False,
+                    user: str | None = None) -> RequestStream:
         """Validate (unless ``checked``: the caller ran :meth:`check_request`), admit and send a request
-        to the core; returns the stream of its delta outputs.
+        to the core; returns the stream of its delta outputs. ``prefix_cache_debug`` asks the core for a
+        prefix-cache report; ``user`` labels the request's KV cost in ``/metrics``.
 
         Raises:
             InvalidRequestError: see :meth:`check_request`.
@@ -392,9 +403,12 @@ class AsyncLLM:
         arrival = arrival_time or time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         reqs = fan_out(request_id, prompt_token_ids, params, self.eos_token_ids, arrival)
+        if prefix_cache_debug:
+            for r in reqs:
+                r.prefix_cache_debug = True
         self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
         self._queues[request_id] = queue
-        self.metrics.request_added(request_id, arrival)
+        self.metrics.request_added(request_id, arrival, user)
         try:
             self._send(EngineCoreRequestType.ADD, reqs)
         except EngineDeadError:
@@ -464,6 +478,8 @@ class AsyncLLM:
             if queue is not None:
                 queue.put_nowait(InvalidRequestError(err))
         if not msg.outputs:
+            if self.step_listeners:
+                self._notify(msg, [])
             return
         outs, to_abort = self.processor.process_outputs(msg.outputs, delta=True)
         if to_abort:  # stop strings matched here; free the samples' KV in the core
@@ -473,3 +489,12 @@ class AsyncLLM:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+        if self.step_listeners:
+            self._notify(msg, outs)
+
+    def _notify(self, msg: EngineCoreOutputs, outs: list[RequestOutput]) -> None:
+        for listener in self.step_listeners:
+            try:
+                listener(msg, outs)
+            except Exception:  # noqa: BLE001 - an observer must never stop the output loop
+                logger.exception("step listener %r failed", listener)

@@ -23,6 +23,7 @@ import time
 import torch
 
 from tinyvllm.config import EngineConfig, resolve_device
+from tinyvllm.core.kv_diagnostics import block_state_map
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.input_processor import check_prompt
 from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -30,6 +31,9 @@ from tinyvllm.executor import get_executor_class
 from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
 from tinyvllm.request import Request
+
+# The KV block map (one byte per block) rides on a step's IterationStats at most this often (seconds).
+BLOCK_MAP_INTERVAL_S = 0.5
 
 logger = logging.getLogger("tinyvllm")
 
@@ -83,6 +87,7 @@ class EngineCore:
             "prefix caching on" if cc.enable_prefix_caching else "prefix caching off",
         )
         self.last_iteration = IterationStats()
+        self._last_block_map = -BLOCK_MAP_INTERVAL_S
 
     @property
     def model(self) -> torch.nn.Module:
@@ -108,7 +113,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=sp,
             eos_token_ids=frozenset(req.eos_token_ids), max_tokens=max_tokens,
-            arrival_time=req.arrival_time or time.monotonic(),
+            arrival_time=req.arrival_time or time.monotonic(), prefix_cache_debug=req.prefix_cache_debug,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -135,11 +140,22 @@ class EngineCore:
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    kv_block_seconds=req.kv_block_seconds,
+                    peak_kv_blocks=req.peak_num_blocks,
+                    num_prefill_computed=req.num_prefill_computed,
+                    num_prefill_cached=req.num_prefill_cached,
+                    prefix_cache=req.prefix_cache_report if req.num_output_tokens == 1 else None,
                 ))
+        t1 = time.perf_counter()
+        block_map = b""
+        if t1 - self._last_block_map >= BLOCK_MAP_INTERVAL_S or not self.scheduler.has_unfinished_requests():
+            self._last_block_map = t1
+            block_map = block_state_map(self.scheduler.kv.block_pool)
         self.last_iteration = IterationStats(
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_scheduled_reqs=len(sched.num_scheduled_tokens), num_preempted_reqs=len(sched.preempted_req_ids),
-            step_seconds=time.perf_counter() - t0)
+            step_seconds=t1 - t0, token_budget=self.scheduler.config.max_num_batched_tokens,
+            kv_block_map=block_map)
         return outputs
 
     def make_stats(self) -> SchedulerStats:

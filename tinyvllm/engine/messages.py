@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from tinyvllm.metrics.kv_stats import PrefixCacheReport
 from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.outputs import TokenLogprobs
 from tinyvllm.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
         prompt_token_ids: the prompt, checked by the input processor.
         eos_token_ids: ids that end the sequence.
         arrival_time: ``time.monotonic()`` of arrival in the front end (seconds).
+        prefix_cache_debug: return a prefix-cache report (``EngineCoreOutput.prefix_cache``).
     """
 
     request_id: str
@@ -64,10 +66,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     arrival_time: float = 0.0
+    prefix_cache_debug: bool = False
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One sequence's progress in one step: its new token(s), and its finish if it finished."""
+    """One sequence's progress in one step: its new token(s), and its finish if it finished.
+
+    The KV cost so far travels with every output (a stop string may end the request in the API
+    process at any step): ``kv_block_seconds`` (blocks x seconds, shared blocks split between their
+    holders), ``peak_kv_blocks``, ``num_prefill_computed`` / ``num_prefill_cached`` (tokens).
+    ``prefix_cache`` (only with ``prefix_cache_debug``) comes with the first output.
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -76,6 +85,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_block_seconds: float = 0.0
+    peak_kv_blocks: int = 0
+    num_prefill_computed: int = 0
+    num_prefill_cached: int = 0
+    prefix_cache: PrefixCacheReport | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -104,6 +104,7 @@ class _SampleState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    kv: tuple[float, int, int, int] = (0.0, 0, 0, 0)  # the core's KV cost so far (see EngineCoreOutput)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class _RequestState:
     samples: dict[str, _SampleState]  # child (engine) request id -> state
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prefix_cache: Any = None
 
     @property
     def finished(self) -> bool:
@@ -187,6 +189,9 @@ class OutputProcessor:
             if st.metrics.first_token_time is None:
                 st.metrics.first_token_time = now
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            s.kv = (o.kv_block_seconds, o.peak_kv_blocks, o.num_prefill_computed, o.num_prefill_cached)
+            if o.prefix_cache is not None and (st.prefix_cache is None or s.index == 0):
+                st.prefix_cache = o.prefix_cache
             s.token_ids.extend(o.new_token_ids)
             if o.new_logprobs is not None and s.logprobs is not None:
                 for lp in o.new_logprobs:
@@ -236,5 +241,11 @@ class OutputProcessor:
         if st.finished:
             st.metrics.finished_time = now
         st.metrics.num_cached_tokens = st.num_cached_tokens
+        kv_cost = None
+        if st.finished:
+            kvs = [s.kv for s in st.samples.values()]
+            kv_cost = {"kv_block_seconds": sum(k[0] for k in kvs), "peak_kv_blocks": sum(k[1] for k in kvs),
+                       "prefill_tokens_computed": sum(k[2] for k in kvs),
+                       "prefill_tokens_cached": sum(k[3] for k in kvs)}
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
-                             st.num_cached_tokens, st.metrics)
+                             st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tinyvllm.metrics.kv_stats import MISS_REASONS
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.outputs import RequestOutput
 
@@ -27,6 +28,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_USER_LABELS = 256  # distinct ``user`` label values; later users are counted under "other"
 
 
 @dataclass
@@ -34,6 +36,7 @@ class _ReqState:
     arrival: float
     last_token_time: float | None = None
     counted_prompt: bool = False
+    user: str = ""
 
 
 class ServerMetrics:
@@ -75,14 +78,34 @@ class ServerMetrics:
                              registry=r).labels(model_name)
         self.kv_total = Gauge("tinyvllm:kv_cache_total_blocks", "KV cache blocks in the pool.", lab,
                               registry=r).labels(model_name)
+        self.kv_block_seconds = Counter("tinyvllm:kv_block_seconds", "KV blocks held x seconds held, all "
+                                        "requests (a shared block counts 1/k to each of k holders).", lab,
+                                        registry=r).labels(model_name)
+        self.preempted = Gauge("tinyvllm:num_requests_preempted", "Waiting sequences that were preempted.", lab,
+                               registry=r).labels(model_name)
+        self._miss_reason = Counter("tinyvllm:prefix_cache_miss_reason", "Prompts by why their uncached tokens "
+                                    "missed the prefix cache (partial_last_block: all cacheable blocks hit).",
+                                    lab + ["reason"], registry=r)
+        lab_user = lab + ["user"]
+        self._user_kv = Counter("tinyvllm:user_kv_block_seconds", "KV block-seconds of finished requests, per "
+                                "request `user`.", lab_user, registry=r)
+        self._user_prefill = Counter("tinyvllm:user_prefill_tokens_computed", "Prefill tokens computed for "
+                                     "finished requests, per request `user`.", lab_user, registry=r)
+        self._user_cached = Counter("tinyvllm:user_prefill_tokens_cached", "Prefill tokens served from the "
+                                    "prefix cache for finished requests, per request `user`.", lab_user, registry=r)
+        self._user_requests = Counter("tinyvllm:user_requests", "Finished requests, per request `user`.",
+                                      lab_user, registry=r)
+        self._users: set[str] = set()
+        for reason in MISS_REASONS:
+            self._miss_reason.labels(model_name, reason)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._requests: dict[str, _ReqState] = {}
         self._last_cumulative: dict[str, int] = {}
 
     # -------------------------------------------------------------- per request
-    def request_added(self, request_id: str, arrival: float) -> None:
-        self._requests[request_id] = _ReqState(arrival)
+    def request_added(self, request_id: str, arrival: float, user: str | None = None) -> None:
+        self._requests[request_id] = _ReqState(arrival, user=user or "")
 
     def request_aborted(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -112,6 +135,19 @@ class ServerMetrics:
             self._requests.pop(out.request_id, None)
             self.cached_tokens.inc(out.num_cached_tokens)
             self.e2e.observe(max(0.0, now - st.arrival))
+            if out.kv_cost is not None:
+                self._record_user(st.user, out.kv_cost)
+
+    def _record_user(self, user: str, kv: dict) -> None:
+        if user not in self._users:
+            if len(self._users) >= MAX_USER_LABELS:
+                user = "other"
+            self._users.add(user)
+        labels = (self.model_name, user)
+        self._user_kv.labels(*labels).inc(kv["kv_block_seconds"])
+        self._user_prefill.labels(*labels).inc(kv["prefill_tokens_computed"])
+        self._user_cached.labels(*labels).inc(kv["prefill_tokens_cached"])
+        self._user_requests.labels(*labels).inc()
 
     # -------------------------------------------------------------- engine snapshot
     def update_from_stats(self, stats: SchedulerStats) -> None:
@@ -128,6 +164,18 @@ class ServerMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._last_cumulative[key] = max(value, self._last_cumulative.get(key, 0))
+        self.preempted.set(stats.num_preempted)
+        last = self._last_cumulative
+        delta_kv = stats.kv_block_seconds - last.get("kv_block_seconds", 0.0)
+        if delta_kv > 0:
+            self.kv_block_seconds.inc(delta_kv)
+            last["kv_block_seconds"] = stats.kv_block_seconds
+        for reason, value in stats.prefix_cache_miss_reasons.items():
+            key = "miss:" + reason
+            delta = value - last.get(key, 0)
+            if delta > 0:
+                self._miss_reason.labels(self.model_name, reason).inc(delta)
+                last[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,6 +25,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         num_preemptions: preemptions (requests, not tokens).
         prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
         num_added: requests the engine core received (the API process's admission estimate).
+        num_preempted (gauge): waiting sequences that were preempted (a subset of ``num_waiting``).
+        kv_block_seconds: KV blocks owned x seconds (the sum of every request's ``kv_block_seconds``).
+        prefix_cache_miss_reasons: prompts by prefix-cache miss reason at first admission
+            (:mod:`tinyvllm.metrics.kv_stats`).
     """
 
     num_running: int = 0
@@ -39,6 +43,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_added: int = 0
+    num_preempted: int = 0
+    kv_block_seconds: float = 0.0
+    prefix_cache_miss_reasons: dict[str, int] = {}
 
     @property
     def kv_cache_usage(self) -> float:
@@ -58,6 +65,9 @@ class IterationStats(msgspec.Struct, omit_defaults=True):
         num_scheduled_reqs: sequences in the step's batch.
         num_preempted_reqs: sequences preempted while the step was built.
         step_seconds: wall time of schedule + forward + sampling + update (seconds).
+        token_budget: the step's token budget (``max_num_batched_tokens``).
+        kv_block_map: one byte per KV block (0 free, 1 cached-free, 2 owned; see
+            :mod:`tinyvllm.metrics.kv_stats`), sent at most every ``BLOCK_MAP_INTERVAL_S``; empty otherwise.
     """
 
     num_prefill_tokens: int = 0
@@ -65,3 +75,5 @@ class IterationStats(msgspec.Struct, omit_defaults=True):
     num_scheduled_reqs: int = 0
     num_preempted_reqs: int = 0
     step_seconds: float = 0.0
+    token_budget: int = 0
+    kv_block_map: bytes = b""

@@ -5,7 +5,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (JSON or SSE streaming), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``.
+``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``, ``GET /dashboard`` (live
+engine dashboard, :mod:`tinyvllm.entrypoints.dashboard`).
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 
 Start-up (:func:`tinyvllm.entrypoints.openai.launcher.run_server`) spawns the engine core before
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
+from tinyvllm.entrypoints.dashboard import add_dashboard_routes
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -70,6 +72,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> 
     chat = OpenAIServingChat(engine, served_model_names)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     app.state.engine = engine
+    add_dashboard_routes(app, engine)  # GET /dashboard, /dashboard/events
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -56,6 +56,8 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    # Extension: return usage.prefix_cache (matched blocks, miss reason, divergence); see docs/observability.md.
+    prefix_cache_debug: bool = False
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
+from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, OpenAIServing, clamp_logprob,
                                                         collect, error_body, exception_response, json_encoder,
                                                         run_until_disconnect, sse, status_of, usage_info)
@@ -47,7 +48,8 @@ class OpenAIServingChat(OpenAIServing):
             params = req.to_sampling_params()
             ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt, req.continue_final_message)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = self._submit(request_id, [(None, ids)], params, arrival)
+            streams = self._submit(request_id, [(None, ids)], params, arrival,
+                                   prefix_cache_debug=req.prefix_cache_debug, user=req.user)
         except REQUEST_ERRORS as e:
             return exception_response(e, renames)
         model = self._response_model(req.model)
@@ -57,12 +59,14 @@ class OpenAIServingChat(OpenAIServing):
             return StreamingResponse(self._chat_stream(req, params, ids, streams[0], request_id, model, created,
                                                        top_n), media_type="text/event-stream")
         return await run_until_disconnect(
-            raw, self._chat_full(params, ids, streams[0], request_id, model, created, top_n), streams[0].abort)
+            raw, self._chat_full(params, ids, streams[0], request_id, model, created, top_n,
+                                 UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id)),
+            streams[0].abort)
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
-                         model: str, created: int, top_n: int | None) -> Response:
+                         model: str, created: int, top_n: int | None, tracker: UsageTracker) -> Response:
         try:
-            choices, cached = await collect([stream], params.n)
+            choices, cached = await collect([stream], params.n, tracker)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -70,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
             lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
             out_choices.append({"index": idx, "message": {"role": "assistant", "content": ch.text},
                                 "logprobs": lp, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
-        usage = usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached)
+        usage = tracker.extend(usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached))
         return Response(json_encoder.encode({"id": request_id, "object": "chat.completion", "created": created,
                                       "model": model, "choices": out_choices, "usage": usage}),
                         media_type="application/json")
@@ -81,6 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = req.include_usage
         completion_tokens = 0
         cached = 0
+        tracker = UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id)
 
         def chunk(choices: list[dict]) -> bytes:
             obj = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -95,6 +100,7 @@ class OpenAIServingChat(OpenAIServing):
                               "finish_reason": None}])
             async for out in stream:
                 cached = out.num_cached_tokens
+                tracker.observe(0, out)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     lp = None
@@ -107,7 +113,7 @@ class OpenAIServingChat(OpenAIServing):
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
             if include_usage:
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage_info(len(ids), completion_tokens, cached)})
+                            "choices": [], "usage": tracker.extend(usage_info(len(ids), completion_tokens, cached))})
             yield SSE_DONE
         except REQUEST_ERRORS as e:
             yield sse(error_body(str(e), status_of(e)))

@@ -13,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.async_llm import InvalidRequestError
 from tinyvllm.entrypoints.openai.protocol import CompletionRequest
+from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, Choice, OpenAIServing,
                                                         clamp_logprob, collect, error_body, exception_response,
                                                         iterate_streams, json_encoder, run_until_disconnect, sse,
@@ -72,7 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params()
             prompts = self._completion_prompts(req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
-            streams = self._submit(request_id, prompts, params, arrival)
+            streams = self._submit(request_id, prompts, params, arrival, prefix_cache_debug=req.prefix_cache_debug,
+                                   user=req.user)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         model = self._response_model(req.model)
@@ -96,7 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                request_id: str, model: str, created: int) -> Response:
         n = params.n
         try:
-            choices, cached = await collect(streams, n)
+            tracker = UsageTracker(len(prompts), self.tokenizer, req.prefix_cache_debug, request_id)
+            choices, cached = await collect(streams, n, tracker)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -112,8 +115,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch)
             out_choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
                                 "stop_reason": ch.stop_reason})
-        usage = usage_info(sum(len(ids) for _, ids in prompts), sum(len(ch.token_ids) for ch in choices.values()),
-                       cached)
+        usage = tracker.extend(usage_info(sum(len(ids) for _, ids in prompts),
+                                          sum(len(ch.token_ids) for ch in choices.values()), cached))
         return Response(json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
                                       "model": model, "choices": out_choices, "usage": usage}),
                         media_type="application/json")
@@ -124,10 +127,12 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = req.include_usage
         choices = {i: Choice() for i in range(len(prompts) * n)}
         cached = [0] * len(prompts)
+        tracker = UsageTracker(len(prompts), self.tokenizer, req.prefix_cache_debug, request_id)
         try:
             async with contextlib.aclosing(iterate_streams(streams)) as it:
                 async for pi, out in it:
                     cached[pi] = out.num_cached_tokens
+                    tracker.observe(pi, out)
                     for c in out.outputs:
                         idx = pi * n + c.index
                         ch = choices[idx]
@@ -150,8 +155,8 @@ class OpenAIServingCompletion(OpenAIServing):
                             chunk["usage"] = None
                         yield sse(chunk)
             if include_usage:
-                usage = usage_info(sum(len(ids) for _, ids in prompts),
-                               sum(len(ch.token_ids) for ch in choices.values()), sum(cached))
+                usage = tracker.extend(usage_info(sum(len(ids) for _, ids in prompts),
+                                                  sum(len(ch.token_ids) for ch in choices.values()), sum(cached)))
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage})
             yield SSE_DONE

@@ -28,6 +28,7 @@ from tinyvllm.engine.async_llm import (AsyncLLM, EngineDeadError, EngineOverload
                                        InvalidRequestError, RequestStream)
 from tinyvllm.engine.tokenizer import apply_chat_template
 from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
 from tinyvllm.outputs import Logprob, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -184,15 +185,19 @@ def _accumulate(ch: Choice, c: Any) -> None:
         ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
 
 
-async def collect(streams: list[RequestStream], n: int) -> tuple[dict[int, Choice], int]:
+async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | None = None
+                  ) -> tuple[dict[int, Choice], int]:
     """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
-    returns them and the prompt tokens served from the prefix cache. Aborts the streams when done."""
+    returns them and the prompt tokens served from the prefix cache. Aborts the streams when done.
+    ``usage`` (if given) observes every output (KV cost, prefix-cache report)."""
     choices = {i: Choice() for i in range(len(streams) * n)}
     cached = [0] * len(streams)
     try:
         async with contextlib.aclosing(iterate_streams(streams)) as it:
             async for pi, out in it:
                 cached[pi] = out.num_cached_tokens
+                if usage is not None:
+                    usage.observe(pi, out)
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
@@ -267,14 +272,15 @@ class OpenAIServing:
 
     # -------------------------------------------------------------- submission
     def _submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                arrival: float) -> list[RequestStream]:
+                arrival: float, *, prefix_cache_debug: bool = False, user: str | None = None) -> list[RequestStream]:
         for _, ids in prompts:  # validate every prompt before queueing any
             self.engine.check_request(ids, params)
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(self.engine.add_request(rid, text, ids, params, arrival, checked=True))
+                streams.append(self.engine.add_request(rid, text, ids, params, arrival, checked=True,
+                                                       prefix_cache_debug=prefix_cache_debug, user=user))
         except BaseException:
             for s in streams:
                 s.abort()
