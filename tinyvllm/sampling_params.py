@@ -20,6 +20,11 @@ from typing import Any
 SAMPLING_EPS: float = 1e-5
 # Upper bound on the number of top logprobs a request may ask for per token.
 MAX_LOGPROBS: int = 20
+# Every integer field travels to the engine core as a msgpack int and into torch as int64 (the seed of a
+# ``torch.Generator``, top-k as an int64 tensor): a value outside the signed 64-bit range is rejected here,
+# as vLLM bounds ``seed`` by ``torch.iinfo(torch.long)``.
+INT64_MIN: int = -(2**63)
+INT64_MAX: int = 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -37,6 +42,8 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         kind = "an int or None" if optional else "an int"
         raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be a signed 64-bit integer (in [-2**63, 2**63 - 1]), got {value}")
     return int(value)
 
 
@@ -189,8 +196,8 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__})"
                 )
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            if not 0 <= t <= INT64_MAX:
+                raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {t}")
             result.append(int(t))
         return result
 

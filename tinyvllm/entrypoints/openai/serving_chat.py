@@ -12,9 +12,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
-from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, OpenAIServing, clamp_logprob,
+from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, stream_failure, OpenAIServing, clamp_logprob,
                                                         collect, error_body, exception_response, json_encoder,
-                                                        run_until_disconnect, sse, status_of, usage_info)
+                                                        run_blocking, run_until_disconnect, sse, status_of,
+                                                        usage_info)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -45,7 +46,8 @@ class OpenAIServingChat(OpenAIServing):
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         try:
             params = req.to_sampling_params()
-            ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt, req.continue_final_message)
+            ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, [(None, ids)], params, arrival)
         except REQUEST_ERRORS as e:
@@ -111,6 +113,9 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         except REQUEST_ERRORS as e:
             yield sse(error_body(str(e), status_of(e)))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
+            yield stream_failure(e, request_id)
             yield SSE_DONE
         finally:
             stream.abort()

@@ -11,12 +11,13 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tinyvllm import envs
 from tinyvllm.engine.async_llm import InvalidRequestError
 from tinyvllm.entrypoints.openai.protocol import CompletionRequest
-from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, Choice, OpenAIServing,
+from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, stream_failure, Choice, OpenAIServing,
                                                         clamp_logprob, collect, error_body, exception_response,
-                                                        iterate_streams, json_encoder, run_until_disconnect, sse,
-                                                        status_of, usage_info)
+                                                        iterate_streams, json_encoder, run_blocking,
+                                                        run_until_disconnect, sse, status_of, usage_info)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -34,6 +35,13 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(p)
         if not items:
             raise InvalidRequestError("prompt must not be empty", "prompt")
+        limit = envs.TINYVLLM_MAX_N_SEQUENCES
+        if len(items) * req.n > limit:
+            raise InvalidRequestError(f"prompt: {len(items)} prompts x n={req.n} samples is over the limit of "
+                                      f"{limit} sequences per request (TINYVLLM_MAX_N_SEQUENCES)", "prompt")
+        for item in items:  # every text checked before any is tokenized
+            if isinstance(item, str):
+                self.check_text_length(len(item), "prompt")
         out = []
         for item in items:
             if isinstance(item, str):
@@ -70,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return err
         try:
             params = req.to_sampling_params()
-            prompts = self._completion_prompts(req)
+            prompts = await run_blocking(self._completion_prompts, req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival)
         except REQUEST_ERRORS as e:
@@ -157,6 +165,9 @@ class OpenAIServingCompletion(OpenAIServing):
             yield SSE_DONE
         except REQUEST_ERRORS as e:
             yield sse(error_body(str(e), status_of(e)))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
+            yield stream_failure(e, request_id)
             yield SSE_DONE
         finally:
             for s in streams:

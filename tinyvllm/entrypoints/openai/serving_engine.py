@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -42,7 +44,7 @@ _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_p
                     "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
                     "top_logprobs", "prompt", "messages"}
 json_encoder = msgspec.json.Encoder()
-# What a request can fail with that is answered as an error object (400 / 503 / 500), not a traceback.
+# What a request can fail with that is answered as an error object (400 / 503), not a traceback.
 REQUEST_ERRORS = (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError)
 
 
@@ -82,6 +84,12 @@ def exception_response(e: BaseException, renames: dict[str, str] | None = None) 
         logger.exception("internal error", exc_info=e)
     param = _param_of(e, renames) if isinstance(e, ValueError) else None
     return error_response(str(e) or type(e).__name__, status, param)
+
+
+def stream_failure(e: BaseException, request_id: str) -> bytes:
+    """The error event that ends a stream an unexpected exception broke (logged once, with the request id)."""
+    logger.error("unhandled error in the stream of request %s: %s: %s", request_id, type(e).__name__, e)
+    return sse(error_body(f"internal server error ({type(e).__name__}); request id {request_id}", 500))
 
 
 def sse(obj: Any) -> bytes:
@@ -207,6 +215,35 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+# ----------------------------------------------------------------------------- off the event loop
+
+# Tokenization and chat templating run here, not on the event loop, so one huge prompt never stalls /health
+# or the other requests' streams. One thread: a fast tokenizer is not safe to re-configure concurrently, and
+# one thread keeps the event loop's own detokenization from competing with several.
+_TOKENIZE_POOL: ThreadPoolExecutor | None = None
+
+
+async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the tokenization thread; returns (or raises) what it does."""
+    global _TOKENIZE_POOL
+    if _TOKENIZE_POOL is None:
+        _TOKENIZE_POOL = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, functools.partial(fn, *args))
+
+
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token of ``tokenizer``'s vocabulary, in characters of its token string (for byte-level BPE,
+    one character per byte): a text of ``L`` characters needs at least ``L / max_token_chars`` tokens."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        _MAX_TOKEN_CHARS[key] = max((len(t) for t in vocab), default=64) or 1
+    return _MAX_TOKEN_CHARS[key]
+
+
 # ----------------------------------------------------------------------------- base
 
 
@@ -229,20 +266,38 @@ class OpenAIServing:
         return model or self.model_name
 
     # -------------------------------------------------------------- tokenization
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text beyond which a prompt cannot fit ``max_model_len`` tokens whatever it says
+        (``max_model_len * max_token_chars``): such text is refused before it is tokenized."""
+        return max(1, self.engine.max_model_len) * max_token_chars(self.tokenizer)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Raise :class:`InvalidRequestError` (400, ``param``) if ``chars`` characters cannot fit the context."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param} is too long: {chars} characters cannot fit this model's maximum context length "
+                f"(max_model_len) of {self.engine.max_model_len} tokens", param)
+
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (run it with :func:`run_blocking`: it is CPU work)."""
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, messages: list,
                          add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
         msgs = []
+        chars = 0
         for i, m in enumerate(messages):
             d = m.model_dump(exclude_none=True)
+            chars += len(str(d.get("content") or ""))
             if d.get("role") not in _CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, "
                                           f"got {d.get('role')!r}", "messages")
             if d["role"] == "developer":
                 d["role"] = "system"
             msgs.append(d)
+        if isinstance(req, ChatCompletionRequest):  # /tokenize has no context limit to meet
+            self.check_text_length(chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         if continue_final_message:
             if msgs[-1]["role"] != "assistant":
