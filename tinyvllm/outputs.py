@@ -60,7 +60,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The output of one request (``n`` samples share the prompt)."""
+    """The output of one request (``n`` samples share the prompt).
+
+    ``prompt_logprobs`` (when asked for): one entry per prompt token, ``None`` for the first (nothing
+    precedes it), else token id -> :class:`Logprob` (the prompt token and the top ones), as vLLM's.
+    """
 
     request_id: str
     prompt: str | None
@@ -69,6 +73,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler
@@ -99,7 +104,11 @@ class ModelRunnerOutput:
         sampled: request id -> sampled token id, for the requests whose step reached
             the end of their known tokens (a finished prefill or a decode).
         logprobs: request id -> logprobs of that token, where the request asked for them.
+        prompt_logprobs: request id -> logprobs of prompt tokens 1..P-1 (each under the logits of the
+            position before it), sent once, with the request's first sampled token, for requests that
+            asked for ``prompt_logprobs``.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

@@ -90,6 +90,9 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: join special tokens with spaces when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the output text.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
+            ``logit_bias``; -100 effectively bans a token, 100 forces it). Logprobs are those of the biased
+            distribution. Token ids are checked against the vocabulary by the engine.
     """
 
     n: int = 1
@@ -111,6 +114,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -135,6 +139,7 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
@@ -167,8 +172,28 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs}")
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None or bias == {}:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        out: dict[int, float] = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k) if isinstance(k, str) else _check_int("logit_bias", k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (ints), got {k!r}") from None
+            if tid is None or not 0 <= tid <= INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
+            b = _check_float("logit_bias", v)
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {tid}")
+            out[tid] = b
+        return out
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

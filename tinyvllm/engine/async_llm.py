@@ -94,6 +94,8 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.finished = b.finished
     a.metrics = b.metrics
     a.num_cached_tokens = b.num_cached_tokens
+    if b.prompt_logprobs is not None:
+        a.prompt_logprobs = b.prompt_logprobs
     return a
 
 

@@ -135,6 +135,7 @@ class EngineCore:
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 ))
         self.last_iteration = IterationStats(
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,

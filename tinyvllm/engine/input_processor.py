@@ -58,6 +58,8 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, max_mo
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
     if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
         raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:

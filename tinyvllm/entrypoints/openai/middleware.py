@@ -88,6 +88,7 @@ class GuardMiddleware:
                 return
         started = False
         received = 0
+        too_large: list[str] = []
 
         async def guarded_receive() -> Message:
             nonlocal received
@@ -95,11 +96,17 @@ class GuardMiddleware:
             if limit is not None and message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(f"request body too large: over {limit} bytes (max_request_body_bytes)")
+                    too_large.append(f"request body too large: over {limit} bytes (max_request_body_bytes)")
+                    raise BodyTooLarge(too_large[0])
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if too_large:  # the framework answered the interrupted body read (a 400): answer 413 instead
+                if message["type"] == "http.response.start" and not started:
+                    started = True
+                    await send_error(send, too_large[0], 413, [(b"connection", b"close")])
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)

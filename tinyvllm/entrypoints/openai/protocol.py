@@ -130,6 +130,8 @@ class _SamplingFields(OpenAIBaseModel):
 
     use_beam_search: bool | None = None
 
+    prompt_logprobs: int | None = None
+
     def _check_unsupported(self) -> None:
         for name, reason in UNSUPPORTED_FIELDS.items():
             if name in type(self).model_fields and getattr(self, name) not in _UNUSED_VALUES:
@@ -137,14 +139,13 @@ class _SamplingFields(OpenAIBaseModel):
         limit = envs.TINYVLLM_MAX_N_SEQUENCES
         if self.n > limit:
             raise UnsupportedFieldError(f"n must be <= {limit} (TINYVLLM_MAX_N_SEQUENCES), got {self.n}", "n")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (best_of > n is not supported), got {self.best_of}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_unsupported()
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -157,7 +158,9 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            logit_bias=self.logit_bias, **kw,
         )
 
     @property
@@ -181,7 +184,11 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo + logprobs scores the prompt too (lm-eval's loglikelihood), as vLLM: prompt_logprobs = logprobs
+        plp = None
+        if self.echo and self.logprobs is not None:
+            plp = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, plp)
 
 
 # ----------------------------------------------------------------------------- chat

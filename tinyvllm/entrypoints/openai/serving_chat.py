@@ -63,8 +63,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
                          model: str, created: int, top_n: int | None) -> Response:
+        prompt_lps: dict[int, list] = {}
         try:
-            choices, cached = await collect([stream], params.n)
+            choices, cached = await collect([stream], params.n, prompt_lps)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -73,9 +74,11 @@ class OpenAIServingChat(OpenAIServing):
             out_choices.append({"index": idx, "message": {"role": "assistant", "content": ch.text},
                                 "logprobs": lp, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
         usage = usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached)
-        return Response(json_encoder.encode({"id": request_id, "object": "chat.completion", "created": created,
-                                      "model": model, "choices": out_choices, "usage": usage}),
-                        media_type="application/json")
+        body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": out_choices, "usage": usage}
+        if params.prompt_logprobs is not None:  # vLLM's extension, at the top level for chat
+            body["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(0) or [])
+        return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                            stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None

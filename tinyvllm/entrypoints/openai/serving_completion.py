@@ -14,10 +14,11 @@ from fastapi.responses import Response, StreamingResponse
 from tinyvllm import envs
 from tinyvllm.engine.async_llm import InvalidRequestError
 from tinyvllm.entrypoints.openai.protocol import CompletionRequest
-from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, stream_failure, Choice, OpenAIServing,
+from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, Choice, OpenAIServing,
                                                         clamp_logprob, collect, error_body, exception_response,
                                                         iterate_streams, json_encoder, run_blocking,
-                                                        run_until_disconnect, sse, status_of, usage_info)
+                                                        run_until_disconnect, sse, status_of, stream_failure,
+                                                        usage_info)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -72,6 +73,19 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.text_offset += len(text)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
+    def _echo_logprobs(self, prompt_ids: list[int], prompt_lps: list | None, ch: Choice, top_n: int) -> dict:
+        """echo + logprobs: the prompt tokens' logprobs (``None`` for the first) followed by the generated ones,
+        offsets counted from the start of the echoed prompt."""
+        if prompt_lps is None or len(prompt_lps) != len(prompt_ids):
+            raise RuntimeError(f"prompt logprobs missing for an echo request ({prompt_lps and len(prompt_lps)} "
+                               f"for {len(prompt_ids)} prompt tokens)")
+        ch.text_offset = 0
+        entries = [e if e is not None else {} for e in prompt_lps]
+        head = self._completion_logprobs(prompt_ids, entries, top_n, ch)
+        head["token_logprobs"][0], head["top_logprobs"][0] = None, None
+        tail = self._completion_logprobs(ch.token_ids, ch.logprobs, top_n, ch)
+        return {k: head[k] + tail[k] for k in head}
+
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         if (err := self.check_model(req.model)) is not None:
@@ -103,8 +117,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _completion_full(self, req: CompletionRequest, params: SamplingParams, prompts: list, streams: list,
                                request_id: str, model: str, created: int) -> Response:
         n = params.n
+        prompt_lps: dict[int, list] = {}
         try:
-            choices, cached = await collect(streams, n)
+            choices, cached = await collect(streams, n, prompt_lps)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -115,11 +130,13 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_text = self._prompt_text(prompts, pi) if req.echo else ""
             text = prompt_text + text
             if params.logprobs is not None:
-                if req.echo:
-                    ch.text_offset = len(prompt_text)
-                lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch)
-            out_choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
-                                "stop_reason": ch.stop_reason})
+                lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch) if not req.echo \
+                    else self._echo_logprobs(prompts[pi][1], prompt_lps.get(pi), ch, params.logprobs)
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
+                      "stop_reason": ch.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(pi) or [])
+            out_choices.append(choice)
         usage = usage_info(sum(len(ids) for _, ids in prompts), sum(len(ch.token_ids) for ch in choices.values()),
                        cached)
         return Response(json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
@@ -132,21 +149,29 @@ class OpenAIServingCompletion(OpenAIServing):
         include_usage = req.include_usage
         choices = {i: Choice() for i in range(len(prompts) * n)}
         cached = [0] * len(prompts)
+        prompt_lps: dict[int, list] = {}
         try:
             async with contextlib.aclosing(iterate_streams(streams)) as it:
                 async for pi, out in it:
                     cached[pi] = out.num_cached_tokens
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[pi] = out.prompt_logprobs
                     for c in out.outputs:
                         idx = pi * n + c.index
                         ch = choices[idx]
                         ch.token_ids.extend(c.token_ids)
                         text = c.text
-                        if req.echo and not ch.started:
+                        lp = None
+                        first = req.echo and not ch.started
+                        if first:
                             prompt_text = self._prompt_text(prompts, pi)
                             text = prompt_text + text
                             ch.text_offset = len(prompt_text)
-                        lp = None
-                        if params.logprobs is not None and c.logprobs:
+                        if first and params.logprobs is not None:  # the prompt's logprobs, then this delta's
+                            part = Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs or []))
+                            lp = self._echo_logprobs(prompts[pi][1], prompt_lps.get(pi), part, params.logprobs)
+                            ch.text_offset = part.text_offset
+                        elif params.logprobs is not None and c.logprobs:
                             lp = self._completion_logprobs(c.token_ids, c.logprobs, params.logprobs, ch)
                         if not text and c.finish_reason is None and lp is None:
                             continue  # nothing visible yet (held back for a stop string / partial character)
@@ -154,6 +179,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                                  "choices": [{"index": idx, "text": text, "logprobs": lp,
                                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                        if req.prompt_logprobs is not None and not ch.started and pi in prompt_lps:
+                            chunk["choices"][0]["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps[pi])
                         if include_usage:
                             chunk["usage"] = None
                         yield sse(chunk)

@@ -192,15 +192,19 @@ def _accumulate(ch: Choice, c: Any) -> None:
         ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
 
 
-async def collect(streams: list[RequestStream], n: int) -> tuple[dict[int, Choice], int]:
+async def collect(streams: list[RequestStream], n: int, prompt_logprobs: dict[int, list] | None = None
+                  ) -> tuple[dict[int, Choice], int]:
     """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
-    returns them and the prompt tokens served from the prefix cache. Aborts the streams when done."""
+    returns them and the prompt tokens served from the prefix cache (and fills ``prompt_logprobs``, prompt
+    index -> the request's prompt logprobs, when given). Aborts the streams when done."""
     choices = {i: Choice() for i in range(len(streams) * n)}
     cached = [0] * len(streams)
     try:
         async with contextlib.aclosing(iterate_streams(streams)) as it:
             async for pi, out in it:
                 cached[pi] = out.num_cached_tokens
+                if prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    prompt_logprobs[pi] = out.prompt_logprobs
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
@@ -319,6 +323,14 @@ class OpenAIServing:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([tid])
+
+    def prompt_logprobs_json(self, entries: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id: {"logprob",
+        "rank", "decoded_token"}}``."""
+        return [None if e is None else
+                {str(t): {"logprob": clamp_logprob(v.logprob), "rank": v.rank,
+                          "decoded_token": v.decoded_token if v.decoded_token is not None else self.tokenizer.decode([t])}
+                 for t, v in e.items()} for e in entries]
 
     # -------------------------------------------------------------- submission
     def _submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
