@@ -61,7 +61,9 @@ def test_no_response_is_a_server_error(case, server):
     response = case.call(base_url=server.base, timeout=120)
     assert response.status_code < 500, (f"{case.method} {case.path} -> {response.status_code}: "
                                         f"{response.text[:500]}\n{server.log_tail(2000)}")
-    if response.status_code >= 400 and response.headers.get("content-type", "").startswith("application/json"):
+    ctype = response.headers.get("content-type") or ""
+    ctype = ctype[0] if isinstance(ctype, list) and ctype else str(ctype)
+    if response.status_code >= 400 and ctype.startswith("application/json"):
         err = response.json().get("error")
         assert err is not None and {"message", "type", "param", "code"} <= set(err), response.text
 

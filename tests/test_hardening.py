@@ -334,3 +334,48 @@ def test_server_flags_parse():
     assert a.max_request_body_bytes > 0 and "/health" in a.open_paths and "/metrics" in a.open_paths
     a = p.parse_args(["--api-key", "k", "--allowed-origins", "*", "--open-paths", "/health"])
     assert a.api_key == "k" and a.allowed_origins == ["*"] and a.open_paths == ["/health"]
+
+
+# ----------------------------------------------------------------------------- echo / prompt_logprobs / logit_bias
+
+
+def test_echo_logprobs_score_the_prompt(server):
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = _post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    results = []
+    for _ in range(2):  # the second run finds the prompt in the prefix cache: still scored in full
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        lp = ch["logprobs"]
+        assert ch["text"].startswith(prompt)
+        assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert "".join(lp["tokens"][:len(ids)]).endswith("Italy is")
+        results.append(lp["token_logprobs"])
+    assert results[0] == results[1]
+    # vLLM's prompt_logprobs field gives the same numbers
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(plp[i][str(ids[i])]["logprob"] - results[0][i]) < 1e-6
+        assert len(plp[i]) >= 2  # the token plus the top 2 (overlapping when it is one of them)
+    # streaming: the first chunk carries the echoed prompt and its logprobs
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
+    streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == results[0]
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+def test_logit_bias_over_http(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    forced = _post(server, "/v1/completions", {**body, "logit_bias": {"1234": 100}}).json()["choices"][0]["text"]
+    assert forced == _post(server, "/detokenize", {"tokens": [1234] * 3}).json()["prompt"]
+    for bias, in [({"1234": 101},), ({"abc": 1},), ({str(10**7): 1},)]:
+        _assert_error(_post(server, "/v1/completions", {**body, "logit_bias": bias}), 400, "logit_bias")

@@ -71,7 +71,7 @@ def _param_of(e: ValueError, renames: dict[str, str] | None = None) -> str | Non
 
 
 def status_of(e: BaseException) -> int:
-    if isinstance(e, (EngineOverloadedError, EngineShutdownError)):
+    if isinstance(e, (EngineOverloadedError, EngineShutdownError, EngineDeadError)):  # the service, not the request
         return 503
     if isinstance(e, ValueError):
         return 400
