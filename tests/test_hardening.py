@@ -136,17 +136,19 @@ def test_text_that_cannot_fit_is_refused_before_tokenizing(server):
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server):
-    """/tokenize has no context bound: a 4 MB prompt is seconds of tokenization. It runs on the tokenization
-    thread, so /health requests sent in the second half of its lifetime complete before it does (on the event
-    loop they would all wait for it)."""
-    huge = "the quick brown fox jumps over the lazy dog " * 90_000  # ~4 MB, under the body cap
+    """100 prompts of ~40k characters each (under the per-text bound, so each is tokenized: ~4 MB, seconds
+    of work) are all tokenized before the request is refused for length (a small 400). That runs on the
+    tokenization thread, so /health requests sent in the second half of its lifetime complete before it does
+    (on the event loop they would all wait for it)."""
+    text = "the quick brown fox jumps over the lazy dog " * 900
     done: dict[str, float] = {}
 
     def big() -> None:
         done["start"] = time.monotonic()
-        r = _post(server, "/tokenize", {"prompt": huge})
+        r = _post(server, "/v1/completions", {"prompt": [text] * 100, "max_tokens": 1})
         done["end"] = time.monotonic()
         done["status"] = r.status_code
+        done["message"] = r.json()["error"]["message"]
 
     t = threading.Thread(target=big)
     t.start()
@@ -157,7 +159,7 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server):
             assert c.get(server.base + "/health").status_code == 200
             health.append((t0, time.monotonic()))
     t.join()
-    assert done["status"] == 200
+    assert done["status"] == 400 and "maximum context length" in done["message"], done
     mid = (done["start"] + done["end"]) / 2
     late = [h for h in health if h[0] > mid and h[1] < done["end"]]
     assert late, f"no /health answered during the second half of the big request ({len(health)} in all)"
