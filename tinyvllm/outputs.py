@@ -60,7 +60,11 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The output of one request (``n`` samples share the prompt)."""
+    """The output of one request (``n`` samples share the prompt).
+
+    ``prompt_logprobs`` (when asked for): one entry per prompt token, ``None`` for the first (nothing
+    precedes it), else token id -> :class:`Logprob` (the prompt token and the top ones), as vLLM's.
+    """
 
     request_id: str
     prompt: str | None
@@ -74,6 +78,7 @@ class RequestOutput:
     # (``tinyvllm.metrics.kv_stats.PrefixCacheReport``, with ``prefix_cache_debug``), else None.
     kv_cost: dict | None = field(default=None, repr=False)
     prefix_cache: object | None = field(default=None, repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler
@@ -104,7 +109,11 @@ class ModelRunnerOutput:
         sampled: request id -> sampled token id, for the requests whose step reached
             the end of their known tokens (a finished prefill or a decode).
         logprobs: request id -> logprobs of that token, where the request asked for them.
+        prompt_logprobs: request id -> logprobs of prompt tokens 1..P-1 (each under the logits of the
+            position before it), sent once, with the request's first sampled token, for requests that
+            asked for ``prompt_logprobs``.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

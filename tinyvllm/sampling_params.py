@@ -20,6 +20,11 @@ from typing import Any
 SAMPLING_EPS: float = 1e-5
 # Upper bound on the number of top logprobs a request may ask for per token.
 MAX_LOGPROBS: int = 20
+# Every integer field travels to the engine core as a msgpack int and into torch as int64 (the seed of a
+# ``torch.Generator``, top-k as an int64 tensor): a value outside the signed 64-bit range is rejected here,
+# as vLLM bounds ``seed`` by ``torch.iinfo(torch.long)``.
+INT64_MIN: int = -(2**63)
+INT64_MAX: int = 2**63 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -37,6 +42,8 @@ def _check_int(name: str, value: Any, *, optional: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         kind = "an int or None" if optional else "an int"
         raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__})")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must be a signed 64-bit integer (in [-2**63, 2**63 - 1]), got {value}")
     return int(value)
 
 
@@ -86,6 +93,9 @@ class SamplingParams:
             tokenizers decode. Off by default: a fast tokenizer's decode (and vLLM's fast
             detokenizer) joins them without spaces.
         include_stop_str_in_output: keep the matched stop string in the output text.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
+            ``logit_bias``; -100 effectively bans a token, 100 forces it). Logprobs are those of the biased
+            distribution. Token ids are checked against the vocabulary by the engine.
     """
 
     n: int = 1
@@ -107,6 +117,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = False
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -131,6 +142,7 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 
@@ -163,8 +175,28 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs}")
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None or bias == {}:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        out: dict[int, float] = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k) if isinstance(k, str) else _check_int("logit_bias", k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids (ints), got {k!r}") from None
+            if tid is None or not 0 <= tid <= INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {k!r}")
+            b = _check_float("logit_bias", v)
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v!r} for token {tid}")
+            out[tid] = b
+        return out
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:
@@ -192,8 +224,8 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids must contain only int, got {t!r} ({type(t).__name__})"
                 )
-            if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+            if not 0 <= t <= INT64_MAX:
+                raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {t}")
             result.append(int(t))
         return result
 

@@ -263,6 +263,8 @@ class Scheduler:
                 break
             req = self.waiting[0]
             computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            if req.sampling_params.prompt_logprobs is not None:  # needs the logits of every prompt position
+                computed_blocks, num_cached = [], 0
             num_new = req.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break

@@ -96,6 +96,8 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.num_cached_tokens = b.num_cached_tokens
     a.kv_cost = b.kv_cost
     a.prefix_cache = a.prefix_cache if b.prefix_cache is None else b.prefix_cache
+    if b.prompt_logprobs is not None:
+        a.prompt_logprobs = b.prompt_logprobs
     return a
 
 
@@ -406,12 +408,16 @@ class AsyncLLM:
         if prefix_cache_debug:
             for r in reqs:
                 r.prefix_cache_debug = True
+        try:  # encoded before anything is registered: a value msgpack cannot carry leaves no state behind
+            payload = encode(reqs)
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
+            raise InvalidRequestError(f"the request cannot be sent to the engine: {e}") from e
         self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
         self._queues[request_id] = queue
         self.metrics.request_added(request_id, arrival, user)
         try:
-            self._send(EngineCoreRequestType.ADD, reqs)
-        except EngineDeadError:
+            self._send(EngineCoreRequestType.ADD, payload)
+        except BaseException:  # whatever fails after registration unregisters the request
             self._forget(request_id)
             self.processor.abort_request(request_id)
             raise
@@ -428,6 +434,17 @@ class AsyncLLM:
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self.metrics.request_aborted(request_id)
+
+    def tracked_state(self) -> dict[str, int]:
+        """What this process and (as of its last report) the engine core hold: ``api_streams`` (request
+        queues), ``api_output_requests`` / ``api_output_samples`` (output processor), ``api_metrics_requests``
+        (per-request timing state), ``core_running`` / ``core_waiting`` (sequences) and ``core_kv_blocks_used``.
+        All zero on an idle server that leaks nothing."""
+        return {"api_streams": len(self._queues), "api_output_requests": len(self.processor.requests),
+                "api_output_samples": len(self.processor.child_to_parent),
+                "api_metrics_requests": self.metrics.num_tracked_requests,
+                "core_running": self.stats.num_running, "core_waiting": self.stats.num_waiting,
+                "core_kv_blocks_used": self.stats.kv_blocks_used}
 
     def reset_prefix_cache(self) -> None:
         self._send(EngineCoreRequestType.RESET_PREFIX_CACHE, b"")

@@ -145,6 +145,7 @@ class EngineCore:
                     num_prefill_computed=req.num_prefill_computed,
                     num_prefill_cached=req.num_prefill_cached,
                     prefix_cache=req.prefix_cache_report if req.num_output_tokens == 1 else None,
+                    prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 ))
         t1 = time.perf_counter()
         block_map = b""

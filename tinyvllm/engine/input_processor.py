@@ -37,7 +37,7 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, max_mo
     Raises:
         InvalidRequestError: empty prompt; a prompt that leaves no room for one generated
             token; with ``check_max_tokens``, prompt + ``max_tokens`` over ``max_model_len``;
-            token ids that are not ints in the vocabulary.
+            token ids (prompt or ``stop_token_ids``) that are not ints in the vocabulary.
     """
     n = len(prompt_token_ids)
     if n == 0:
@@ -56,6 +56,10 @@ def check_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, max_mo
         raise InvalidRequestError("prompt token ids must be a list of ints", "prompt")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+        raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -67,8 +71,8 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Per-sample params of an ``n > 1`` request: n=1, and seed+index when seeded."""
     p = params.clone()
     p.n = 1
-    if params.seed is not None:
-        p.seed = params.seed + index
+    if params.seed is not None:  # wraps around within int64 (a seed near 2**63 - 1 stays representable)
+        p.seed = (params.seed + index + 2**63) % 2**64 - 2**63
     return p
 
 

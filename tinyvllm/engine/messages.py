@@ -90,6 +90,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prefill_computed: int = 0
     num_prefill_cached: int = 0
     prefix_cache: PrefixCacheReport | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..P-1, with the first output token
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

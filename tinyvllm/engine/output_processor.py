@@ -117,6 +117,8 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prefix_cache: Any = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -163,6 +165,12 @@ class OutputProcessor:
     def _decode_token(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
 
+    def _logprob_entry(self, lp: Any) -> dict[int, Logprob]:
+        """token id -> Logprob of one position: the top tokens (ranks 1..) and the actual token."""
+        entry = {tid: Logprob(v, i + 1, self._decode_token(tid)) for i, (tid, v) in enumerate(lp.top)}
+        entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_token(lp.token_id))
+        return entry
+
     def process_outputs(self, outputs: list[EngineCoreOutput], delta: bool = False
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Apply one engine step's outputs.
@@ -193,11 +201,11 @@ class OutputProcessor:
             if o.prefix_cache is not None and (st.prefix_cache is None or s.index == 0):
                 st.prefix_cache = o.prefix_cache
             s.token_ids.extend(o.new_token_ids)
+            if o.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [None] + [self._logprob_entry(lp) for lp in o.prompt_logprobs]
             if o.new_logprobs is not None and s.logprobs is not None:
                 for lp in o.new_logprobs:
-                    entry = {tid: Logprob(v, i + 1, self._decode_token(tid)) for i, (tid, v) in enumerate(lp.top)}
-                    entry[lp.token_id] = Logprob(lp.logprob, lp.rank, self._decode_token(lp.token_id))
-                    s.logprobs.append(entry)
+                    s.logprobs.append(self._logprob_entry(lp))
                     s.cumulative_logprob = (s.cumulative_logprob or 0.0) + lp.logprob
             # A token that finished the request by id (EOS / stop_token_ids) adds no text.
             text_ids = o.new_token_ids
@@ -247,5 +255,9 @@ class OutputProcessor:
             kv_cost = {"kv_block_seconds": sum(k[0] for k in kvs), "peak_kv_blocks": sum(k[1] for k in kvs),
                        "prefill_tokens_computed": sum(k[2] for k in kvs),
                        "prefill_tokens_cached": sum(k[3] for k in kvs)}
+        prompt_lps = st.prompt_logprobs
+        if delta:  # sent once, in the first delta that has them
+            prompt_lps = None if st.prompt_logprobs_sent else prompt_lps
+            st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
-                             st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache)
+                             st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache, prompt_lps)

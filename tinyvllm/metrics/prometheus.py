@@ -110,6 +110,11 @@ class ServerMetrics:
     def request_aborted(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests whose timing state is held (added, not yet finished or aborted)."""
+        return len(self._requests)
+
     def record_output(self, out: RequestOutput, now: float | None = None) -> None:
         """Account one (delta) output of a request: its new tokens, and TTFT/ITL/E2E timings."""
         st = self._requests.get(out.request_id)

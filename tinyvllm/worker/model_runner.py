@@ -17,14 +17,14 @@ known tokens (a finished prefill or a decode); mid-prompt chunks sample nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
-from tinyvllm.sample.sampler import Sampler, SamplingMetadata, make_generator
+from tinyvllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs, make_generator
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.worker.cuda_graph import DecodeGraphRunner
@@ -52,6 +52,10 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    # prompt_logprobs requests: logprobs of prompt tokens 1..num_prompt_lps computed so far (kept across
+    # chunks and preemptions: a recomputed prefix is not scored twice) and whether they have been sent.
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)
+    prompt_lps_sent: bool = False
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -137,10 +141,18 @@ class ModelRunner:
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[int] = []  # index into the packed tokens of each sampled row
         sample_reqs: list[CachedRequestState] = []
+        plp_rows: list[int] = []  # prompt_logprobs: packed rows whose logits score the next prompt token
+        plp_reqs: list[tuple[CachedRequestState, int]] = []  # (request, number of its rows in plp_rows)
         for rid, num_new in sched.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed_tokens
             end = start + num_new
+            if st.sampling_params.prompt_logprobs is not None and not st.prompt_lps_sent:
+                # position p scores prompt token p + 1; positions already scored (before a preemption) are skipped
+                lo, hi = max(start, len(st.prompt_lps)), min(end, len(st.prompt_token_ids) - 1)
+                if hi > lo:
+                    plp_rows.extend(range(len(input_ids) + lo - start, len(input_ids) + hi - start))
+                    plp_reqs.append((st, hi - lo))
             input_ids.extend(st.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(num_new)
@@ -150,13 +162,39 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(st)
         hidden = self._run_model(input_ids, positions, query_lens, seq_lens, tables)
+        if plp_reqs:
+            self._score_prompt(hidden[torch.tensor(plp_rows, device=self.device)], plp_reqs)
         if not sample_reqs:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         out = self._sample(logits, sample_reqs)
         for st in sample_reqs:  # the runner's own copy of the token history
             st.append(out.sampled[st.req_id])
+            if st.sampling_params.prompt_logprobs is not None and not st.prompt_lps_sent:
+                out.prompt_logprobs[st.req_id] = st.prompt_lps
+                st.prompt_lps, st.prompt_lps_sent = [], True
         return out
+
+    def _score_prompt(self, hidden: torch.Tensor, reqs: list[tuple[CachedRequestState, int]]) -> None:
+        """Prompt logprobs: ``hidden`` [R, hidden] holds, request after request, the rows of positions
+        ``len(st.prompt_lps) ..`` whose raw log-softmax scores the next prompt token (vLLM's prompt_logprobs:
+        the logprob and rank of the actual token, plus the top ``prompt_logprobs``)."""
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)  # [R, V]
+        targets: list[int] = []
+        for st, n in reqs:
+            first = len(st.prompt_lps) + 1
+            targets.extend(st.prompt_token_ids[first:first + n])
+        k = max(st.sampling_params.prompt_logprobs for st, _ in reqs)
+        lp = compute_logprobs(logprobs, torch.tensor(targets, device=logprobs.device), k)
+        slp, rank = lp.sampled_logprob.tolist(), lp.sampled_rank.tolist()
+        tids, tlps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+        row = 0
+        for st, n in reqs:
+            top_n = st.sampling_params.prompt_logprobs
+            for _ in range(n):
+                st.prompt_lps.append(TokenLogprobs(targets[row], slp[row], rank[row],
+                                                   list(zip(tids[row][:top_n], tlps[row][:top_n]))))
+                row += 1
 
     def _run_model(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
                    tables: list[list[int]]) -> torch.Tensor:
@@ -188,6 +226,14 @@ class ModelRunner:
             banned,
             device=self.device,
         )
+        biased = [(i, st.sampling_params.logit_bias) for i, st in enumerate(reqs) if st.sampling_params.logit_bias]
+        if biased:  # OpenAI logit_bias: added to the logits before the sampler (penalties, top-k/p, sampling)
+            rows = [i for i, b in biased for _ in b]
+            cols = [t for _, b in biased for t in b]
+            vals = [v for _, b in biased for v in b.values()]
+            logits = logits.clone()
+            logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
+                              torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
         out = self.sampler(logits, smd)
         token_ids = out.sampled_token_ids.tolist()
         sampled = {st.req_id: t for st, t in zip(reqs, token_ids)}

@@ -28,12 +28,15 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tinyvllm
+from tinyvllm import envs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.dashboard import add_dashboard_routes
+from tinyvllm.entrypoints.openai.middleware import APIKeyMiddleware, GuardMiddleware
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest)
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -57,6 +60,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             ctx = err.get("ctx") or {}
             return f"malformed JSON body: {ctx.get('error', err.get('msg', 'invalid JSON'))}", None
+        if err.get("type") == "unencodable_text":  # raised for the whole body; the field is in ctx
+            field = str((err.get("ctx") or {}).get("field", ""))
+            return str(err.get("msg")), field.split(".", 1)[0].split("[", 1)[0] or None
         where = ".".join(loc)
         if param is None and loc:
             param = loc[0]
@@ -64,9 +70,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts[:5]), param
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> FastAPI:
-    """The FastAPI application over a started :class:`AsyncLLM`."""
+DEFAULT_OPEN_PATHS = ("/health", "/metrics", "/version")
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, *,
+              max_request_body_bytes: int | None = None, api_keys: list[str] | None = None,
+              open_paths: list[str] | tuple[str, ...] = DEFAULT_OPEN_PATHS,
+              allowed_origins: list[str] | None = None) -> FastAPI:
+    """The FastAPI application over a started :class:`AsyncLLM`.
+
+    Args:
+        engine: the started engine.
+        served_model_names: names the model answers to (default: the engine's).
+        max_request_body_bytes: larger request bodies get 413 (None: no cap).
+        api_keys: when given, every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (401).
+        open_paths: paths served without a key.
+        allowed_origins: CORS origins (``["*"]`` for any); None or empty: no CORS headers.
+    """
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
+    # Added innermost first: CORS (outermost, so 401 / 413 / 500 answers carry its headers too), then the
+    # guard (request id, body cap, unhandled errors), then the API key check.
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys, open_paths=open_paths)
+    app.add_middleware(GuardMiddleware, max_body_bytes=max_request_body_bytes)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     serving_models = OpenAIServingModels(engine, served_model_names)
     completion = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
@@ -83,11 +112,6 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> 
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path, exc_info=exc)
-        return error_response(f"internal server error: {type(exc).__name__}", 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -122,6 +146,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
         return await tokenization.detokenize(req)
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict:
+        """Requests and KV blocks held by this process and the engine core (its last report)."""
+        return engine.tracked_state()
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -160,7 +189,10 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         except EngineStartError as e:
             logger.error("%s", e)
             return 1
-        app = build_app(engine, served)
+        api_key = args.api_key or envs.TINYVLLM_API_KEY
+        app = build_app(engine, served, max_request_body_bytes=args.max_request_body_bytes or None,
+                        api_keys=[api_key] if api_key else None, open_paths=args.open_paths,
+                        allowed_origins=args.allowed_origins)
         level = args.log_level.lower()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5, lifespan="off")

@@ -16,5 +16,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model is served under (none: the model's name); the first is reported")
     EngineArgs.add_cli_args(g, group="server")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on every path but --open-paths "
+                        "(default: $TINYVLLM_API_KEY; unset: no key)")
+    g.add_argument("--open-paths", nargs="*", default=["/health", "/metrics", "/version"],
+                   help="paths served without the API key")
+    g.add_argument("--allowed-origins", nargs="*", default=None,
+                   help="CORS: origins allowed to call the server from a browser ('*' for any); default none")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                   help="larger request bodies get 413 (0: no cap); default 16 MiB")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and engine")

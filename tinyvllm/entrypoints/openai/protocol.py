@@ -3,7 +3,10 @@
 Requests accept the OpenAI fields plus vLLM's sampling extensions (``top_k``,
 ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``...).
-Unknown fields are ignored, as OpenAI-style servers do. Value ranges are
+Unknown fields are ignored with a warning in the log (as vLLM does); known
+fields that are not implemented (:data:`UNSUPPORTED_FIELDS`) are answered 400.
+Text that is not valid Unicode (a lone UTF-16 surrogate such as ``"\ud800"``,
+which JSON allows) is answered 400 naming the field. Value ranges are
 checked by :class:`~tinyvllm.sampling_params.SamplingParams`, whose
 ``ValueError`` names the field (the server answers 400 with ``param`` set).
 Responses are plain dicts encoded with msgspec in
@@ -12,15 +15,67 @@ the ``tinyvllm.entrypoints.openai.serving_*`` modules.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from tinyvllm import envs
 from tinyvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tinyvllm.api_server")
+
+
+def find_unencodable(value: Any, path: str = "") -> tuple[str, int] | None:
+    """The path (``messages[0].content``) and character index of the first string in a JSON value that UTF-8
+    cannot encode (a lone surrogate), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, e.start
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k)
+            if (hit := find_unencodable(key, path)) is not None:
+                return hit
+            if (hit := find_unencodable(v, f"{path}.{key}" if path else key)) is not None:
+                return hit
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if (hit := find_unencodable(v, f"{path}[{i}]")) is not None:
+                return hit
+    return None
+
+
+class UnsupportedFieldError(ValueError):
+    """A request field this server knows but does not implement (or a value over a server limit);
+    ``param`` names it. Answered 400."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_text_and_log_unknown(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, dict):
+            if (hit := find_unencodable(data)) is not None:
+                path, index = hit
+                raise PydanticCustomError(
+                    "unencodable_text", "{field}: the text is not valid Unicode (a lone surrogate at character "
+                    "{index}); send UTF-8 text", {"field": path or "body", "index": index})
+            unknown = sorted(k for k in data if k not in cls.model_fields and isinstance(k, str))
+            if unknown:
+                logger.warning("%s: the following fields were present in the request but ignored: %s",
+                               cls.__name__, unknown)
+        return handler(data)
 
 
 # ----------------------------------------------------------------------------- shared
@@ -29,6 +84,22 @@ class OpenAIBaseModel(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
+
+
+# Known fields (OpenAI's or vLLM's) that this server does not implement: a request that uses one gets a 400
+# naming it, rather than a 200 as if it had been honoured (``field -> reason``).
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "suffix": "suffix (insertion) is not supported",
+    "use_beam_search": "beam search is not supported",
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+}
+# Values of an unsupported field that mean "not used" (accepted silently).
+_UNUSED_VALUES: tuple[Any, ...] = (None, False, "", [], {}, "none")
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -59,15 +130,24 @@ class _SamplingFields(OpenAIBaseModel):
     # Extension: return usage.prefix_cache (matched blocks, miss reason, divergence); see docs/observability.md.
     prefix_cache_debug: bool = False
 
+    use_beam_search: bool | None = None
+
+    prompt_logprobs: int | None = None
+
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for name, reason in UNSUPPORTED_FIELDS.items():
+            if name in type(self).model_fields and getattr(self, name) not in _UNUSED_VALUES:
+                raise UnsupportedFieldError(f"{name}: {reason}", name)
+        limit = envs.TINYVLLM_MAX_N_SEQUENCES
+        if self.n > limit:
+            raise UnsupportedFieldError(f"n must be <= {limit} (TINYVLLM_MAX_N_SEQUENCES), got {self.n}", "n")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (best_of > n is not supported), got {self.best_of}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_unsupported()
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -80,7 +160,9 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
+            logit_bias=self.logit_bias, **kw,
         )
 
     @property
@@ -104,9 +186,11 @@ class CompletionRequest(_SamplingFields):
     add_special_tokens: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        # echo + logprobs scores the prompt too (lm-eval's loglikelihood), as vLLM: prompt_logprobs = logprobs
+        plp = None
+        if self.echo and self.logprobs is not None:
+            plp = max(self.logprobs, self.prompt_logprobs or 0)
+        return self._sampling_params(self.max_tokens, self.logprobs, plp)
 
 
 # ----------------------------------------------------------------------------- chat
@@ -132,6 +216,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -14,8 +14,10 @@ from tinyvllm.engine.async_llm import RequestStream
 from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
 from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, OpenAIServing, clamp_logprob,
+                                                        stream_failure,
                                                         collect, error_body, exception_response, json_encoder,
-                                                        run_until_disconnect, sse, status_of, usage_info)
+                                                        run_blocking, run_until_disconnect, sse, status_of,
+                                                        usage_info)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -46,7 +48,8 @@ class OpenAIServingChat(OpenAIServing):
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         try:
             params = req.to_sampling_params()
-            ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt, req.continue_final_message)
+            ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, [(None, ids)], params, arrival,
                                    prefix_cache_debug=req.prefix_cache_debug, user=req.user)
@@ -65,8 +68,9 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
                          model: str, created: int, top_n: int | None, tracker: UsageTracker) -> Response:
+        prompt_lps: dict[int, list] = {}
         try:
-            choices, cached = await collect([stream], params.n, tracker)
+            choices, cached = await collect([stream], params.n, tracker, prompt_lps)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -75,9 +79,11 @@ class OpenAIServingChat(OpenAIServing):
             out_choices.append({"index": idx, "message": {"role": "assistant", "content": ch.text},
                                 "logprobs": lp, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
         usage = tracker.extend(usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached))
-        return Response(json_encoder.encode({"id": request_id, "object": "chat.completion", "created": created,
-                                      "model": model, "choices": out_choices, "usage": usage}),
-                        media_type="application/json")
+        body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": out_choices, "usage": usage}
+        if params.prompt_logprobs is not None:  # vLLM's extension, at the top level for chat
+            body["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(0) or [])
+        return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                            stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None
@@ -117,6 +123,9 @@ class OpenAIServingChat(OpenAIServing):
             yield SSE_DONE
         except REQUEST_ERRORS as e:
             yield sse(error_body(str(e), status_of(e)))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
+            yield stream_failure(e, request_id)
             yield SSE_DONE
         finally:
             stream.abort()

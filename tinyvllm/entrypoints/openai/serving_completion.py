@@ -11,13 +11,15 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tinyvllm import envs
 from tinyvllm.engine.async_llm import InvalidRequestError
 from tinyvllm.entrypoints.openai.protocol import CompletionRequest
 from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, Choice, OpenAIServing,
                                                         clamp_logprob, collect, error_body, exception_response,
-                                                        iterate_streams, json_encoder, run_until_disconnect, sse,
-                                                        status_of, usage_info)
+                                                        iterate_streams, json_encoder, run_blocking,
+                                                        run_until_disconnect, sse, status_of, stream_failure,
+                                                        usage_info)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -35,6 +37,13 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(p)
         if not items:
             raise InvalidRequestError("prompt must not be empty", "prompt")
+        limit = envs.TINYVLLM_MAX_N_SEQUENCES
+        if len(items) * req.n > limit:
+            raise InvalidRequestError(f"prompt: {len(items)} prompts x n={req.n} samples is over the limit of "
+                                      f"{limit} sequences per request (TINYVLLM_MAX_N_SEQUENCES)", "prompt")
+        for item in items:  # every text checked before any is tokenized
+            if isinstance(item, str):
+                self.check_text_length(len(item), "prompt")
         out = []
         for item in items:
             if isinstance(item, str):
@@ -65,13 +74,26 @@ class OpenAIServingCompletion(OpenAIServing):
             choice.text_offset += len(text)
         return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens, "top_logprobs": tops}
 
+    def _echo_logprobs(self, prompt_ids: list[int], prompt_lps: list | None, ch: Choice, top_n: int) -> dict:
+        """echo + logprobs: the prompt tokens' logprobs (``None`` for the first) followed by the generated ones,
+        offsets counted from the start of the echoed prompt."""
+        if prompt_lps is None or len(prompt_lps) != len(prompt_ids):
+            raise RuntimeError(f"prompt logprobs missing for an echo request ({prompt_lps and len(prompt_lps)} "
+                               f"for {len(prompt_ids)} prompt tokens)")
+        ch.text_offset = 0
+        entries = [e if e is not None else {} for e in prompt_lps]
+        head = self._completion_logprobs(prompt_ids, entries, top_n, ch)
+        head["token_logprobs"][0], head["top_logprobs"][0] = None, None
+        tail = self._completion_logprobs(ch.token_ids, ch.logprobs, top_n, ch)
+        return {k: head[k] + tail[k] for k in head}
+
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         if (err := self.check_model(req.model)) is not None:
             return err
         try:
             params = req.to_sampling_params()
-            prompts = self._completion_prompts(req)
+            prompts = await run_blocking(self._completion_prompts, req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival, prefix_cache_debug=req.prefix_cache_debug,
                                    user=req.user)
@@ -97,9 +119,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _completion_full(self, req: CompletionRequest, params: SamplingParams, prompts: list, streams: list,
                                request_id: str, model: str, created: int) -> Response:
         n = params.n
+        prompt_lps: dict[int, list] = {}
         try:
             tracker = UsageTracker(len(prompts), self.tokenizer, req.prefix_cache_debug, request_id)
-            choices, cached = await collect(streams, n, tracker)
+            choices, cached = await collect(streams, n, tracker, prompt_lps)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -110,11 +133,13 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_text = self._prompt_text(prompts, pi) if req.echo else ""
             text = prompt_text + text
             if params.logprobs is not None:
-                if req.echo:
-                    ch.text_offset = len(prompt_text)
-                lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch)
-            out_choices.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
-                                "stop_reason": ch.stop_reason})
+                lp = self._completion_logprobs(ch.token_ids, ch.logprobs, params.logprobs, ch) if not req.echo \
+                    else self._echo_logprobs(prompts[pi][1], prompt_lps.get(pi), ch, params.logprobs)
+            choice = {"index": idx, "text": text, "logprobs": lp, "finish_reason": ch.finish_reason,
+                      "stop_reason": ch.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(pi) or [])
+            out_choices.append(choice)
         usage = tracker.extend(usage_info(sum(len(ids) for _, ids in prompts),
                                           sum(len(ch.token_ids) for ch in choices.values()), cached))
         return Response(json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
@@ -128,22 +153,30 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = {i: Choice() for i in range(len(prompts) * n)}
         cached = [0] * len(prompts)
         tracker = UsageTracker(len(prompts), self.tokenizer, req.prefix_cache_debug, request_id)
+        prompt_lps: dict[int, list] = {}
         try:
             async with contextlib.aclosing(iterate_streams(streams)) as it:
                 async for pi, out in it:
                     cached[pi] = out.num_cached_tokens
                     tracker.observe(pi, out)
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[pi] = out.prompt_logprobs
                     for c in out.outputs:
                         idx = pi * n + c.index
                         ch = choices[idx]
                         ch.token_ids.extend(c.token_ids)
                         text = c.text
-                        if req.echo and not ch.started:
+                        lp = None
+                        first = req.echo and not ch.started
+                        if first:
                             prompt_text = self._prompt_text(prompts, pi)
                             text = prompt_text + text
                             ch.text_offset = len(prompt_text)
-                        lp = None
-                        if params.logprobs is not None and c.logprobs:
+                        if first and params.logprobs is not None:  # the prompt's logprobs, then this delta's
+                            part = Choice(token_ids=list(c.token_ids), logprobs=list(c.logprobs or []))
+                            lp = self._echo_logprobs(prompts[pi][1], prompt_lps.get(pi), part, params.logprobs)
+                            ch.text_offset = part.text_offset
+                        elif params.logprobs is not None and c.logprobs:
                             lp = self._completion_logprobs(c.token_ids, c.logprobs, params.logprobs, ch)
                         if not text and c.finish_reason is None and lp is None:
                             continue  # nothing visible yet (held back for a stop string / partial character)
@@ -151,6 +184,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
                                  "choices": [{"index": idx, "text": text, "logprobs": lp,
                                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                        if req.prompt_logprobs is not None and not ch.started and pi in prompt_lps:
+                            chunk["choices"][0]["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps[pi])
                         if include_usage:
                             chunk["usage"] = None
                         yield sse(chunk)
@@ -162,6 +197,9 @@ class OpenAIServingCompletion(OpenAIServing):
             yield SSE_DONE
         except REQUEST_ERRORS as e:
             yield sse(error_body(str(e), status_of(e)))
+            yield SSE_DONE
+        except Exception as e:  # noqa: BLE001 - the stream has started: end it with an error event
+            yield stream_failure(e, request_id)
             yield SSE_DONE
         finally:
             for s in streams:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -43,7 +45,7 @@ _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_p
                     "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
                     "top_logprobs", "prompt", "messages"}
 json_encoder = msgspec.json.Encoder()
-# What a request can fail with that is answered as an error object (400 / 503 / 500), not a traceback.
+# What a request can fail with that is answered as an error object (400 / 503), not a traceback.
 REQUEST_ERRORS = (ValueError, EngineOverloadedError, EngineShutdownError, EngineDeadError)
 
 
@@ -70,7 +72,7 @@ def _param_of(e: ValueError, renames: dict[str, str] | None = None) -> str | Non
 
 
 def status_of(e: BaseException) -> int:
-    if isinstance(e, (EngineOverloadedError, EngineShutdownError)):
+    if isinstance(e, (EngineOverloadedError, EngineShutdownError, EngineDeadError)):  # the service, not the request
         return 503
     if isinstance(e, ValueError):
         return 400
@@ -83,6 +85,12 @@ def exception_response(e: BaseException, renames: dict[str, str] | None = None) 
         logger.exception("internal error", exc_info=e)
     param = _param_of(e, renames) if isinstance(e, ValueError) else None
     return error_response(str(e) or type(e).__name__, status, param)
+
+
+def stream_failure(e: BaseException, request_id: str) -> bytes:
+    """The error event that ends a stream an unexpected exception broke (logged once, with the request id)."""
+    logger.error("unhandled error in the stream of request %s: %s: %s", request_id, type(e).__name__, e)
+    return sse(error_body(f"internal server error ({type(e).__name__}); request id {request_id}", 500))
 
 
 def sse(obj: Any) -> bytes:
@@ -185,11 +193,12 @@ def _accumulate(ch: Choice, c: Any) -> None:
         ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
 
 
-async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | None = None
-                  ) -> tuple[dict[int, Choice], int]:
+async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | None = None,
+                  prompt_logprobs: dict[int, list] | None = None) -> tuple[dict[int, Choice], int]:
     """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
     returns them and the prompt tokens served from the prefix cache. Aborts the streams when done.
-    ``usage`` (if given) observes every output (KV cost, prefix-cache report)."""
+    ``usage`` (if given) observes every output (KV cost, prefix-cache report); ``prompt_logprobs`` (if
+    given) is filled with prompt index -> the request's prompt logprobs."""
     choices = {i: Choice() for i in range(len(streams) * n)}
     cached = [0] * len(streams)
     try:
@@ -198,6 +207,8 @@ async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | No
                 cached[pi] = out.num_cached_tokens
                 if usage is not None:
                     usage.observe(pi, out)
+                if prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    prompt_logprobs[pi] = out.prompt_logprobs
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
@@ -210,6 +221,35 @@ def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ----------------------------------------------------------------------------- off the event loop
+
+# Tokenization and chat templating run here, not on the event loop, so one huge prompt never stalls /health
+# or the other requests' streams. One thread: a fast tokenizer is not safe to re-configure concurrently, and
+# one thread keeps the event loop's own detokenization from competing with several.
+_TOKENIZE_POOL: ThreadPoolExecutor | None = None
+
+
+async def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the tokenization thread; returns (or raises) what it does."""
+    global _TOKENIZE_POOL
+    if _TOKENIZE_POOL is None:
+        _TOKENIZE_POOL = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-tokenize")
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, functools.partial(fn, *args))
+
+
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token of ``tokenizer``'s vocabulary, in characters of its token string (for byte-level BPE,
+    one character per byte): a text of ``L`` characters needs at least ``L / max_token_chars`` tokens."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        _MAX_TOKEN_CHARS[key] = max((len(t) for t in vocab), default=64) or 1
+    return _MAX_TOKEN_CHARS[key]
 
 
 # ----------------------------------------------------------------------------- base
@@ -234,20 +274,38 @@ class OpenAIServing:
         return model or self.model_name
 
     # -------------------------------------------------------------- tokenization
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters of text beyond which a prompt cannot fit ``max_model_len`` tokens whatever it says
+        (``max_model_len * max_token_chars``): such text is refused before it is tokenized."""
+        return max(1, self.engine.max_model_len) * max_token_chars(self.tokenizer)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Raise :class:`InvalidRequestError` (400, ``param``) if ``chars`` characters cannot fit the context."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"{param} is too long: {chars} characters cannot fit this model's maximum context length "
+                f"(max_model_len) of {self.engine.max_model_len} tokens", param)
+
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (run it with :func:`run_blocking`: it is CPU work)."""
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, messages: list,
                          add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
         msgs = []
+        chars = 0
         for i, m in enumerate(messages):
             d = m.model_dump(exclude_none=True)
+            chars += len(str(d.get("content") or ""))
             if d.get("role") not in _CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, "
                                           f"got {d.get('role')!r}", "messages")
             if d["role"] == "developer":
                 d["role"] = "system"
             msgs.append(d)
+        if isinstance(req, ChatCompletionRequest):  # /tokenize has no context limit to meet
+            self.check_text_length(chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
         if continue_final_message:
             if msgs[-1]["role"] != "assistant":
@@ -269,6 +327,14 @@ class OpenAIServing:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([tid])
+
+    def prompt_logprobs_json(self, entries: list) -> list:
+        """vLLM's ``prompt_logprobs``: per prompt token ``None`` (the first) or ``{token id: {"logprob",
+        "rank", "decoded_token"}}``."""
+        return [None if e is None else
+                {str(t): {"logprob": clamp_logprob(v.logprob), "rank": v.rank,
+                          "decoded_token": v.decoded_token if v.decoded_token is not None else self.tokenizer.decode([t])}
+                 for t, v in e.items()} for e in entries]
 
     # -------------------------------------------------------------- submission
     def _submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,

@@ -6,7 +6,8 @@ from fastapi.responses import JSONResponse, Response
 
 from tinyvllm.engine.async_llm import InvalidRequestError
 from tinyvllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from tinyvllm.entrypoints.openai.serving_engine import OpenAIServing, error_response, exception_response
+from tinyvllm.entrypoints.openai.serving_engine import (OpenAIServing, error_response, exception_response,
+                                                        run_blocking)
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -20,9 +21,10 @@ class OpenAIServingTokenization(OpenAIServing):
                 raise InvalidRequestError("give exactly one of prompt or messages", "prompt")
             if req.messages is not None:
                 # The chat template already places the special tokens (as for chat completions).
-                ids = self._chat_prompt_ids(req, req.messages, req.add_generation_prompt)
+                ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt)
             else:
-                ids = self._encode(req.prompt, True if req.add_special_tokens is None else req.add_special_tokens)
+                ids = await run_blocking(self._encode, req.prompt,
+                                         True if req.add_special_tokens is None else req.add_special_tokens)
         except ValueError as e:
             return exception_response(e)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len})

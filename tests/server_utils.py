@@ -1,0 +1,108 @@
+"""Start and stop a real ``tinyvllm serve`` process (API process + EngineCore process) for the hardening, fuzz,
+soak and fault tests; read its tracked-state endpoint and its processes' RSS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie still answers kill(0); treat it as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (bytes), from /proc."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Server:
+    """A ``tinyvllm serve`` subprocess on a free port; ``core_pid`` once healthy."""
+
+    def __init__(self, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.headers = headers or {}
+        cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
+               "--port", str(self.port), *extra_args]
+        full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        self.core_pid: int | None = None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                r = httpx.get(self.base + "/health", timeout=2)
+                if r.status_code == 200:
+                    self.core_pid = r.json()["engine_core_pid"]
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.3)
+
+    def state(self) -> dict[str, int]:
+        r = httpx.get(self.base + "/debug/state", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, int]:
+        """Poll ``/debug/state`` until everything tracked is zero (or ``timeout``); returns the last state."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.state()
+            if not any(st.values()) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.core_pid and pid_alive(self.core_pid):
+            os.kill(self.core_pid, signal.SIGKILL)

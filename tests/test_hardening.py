@@ -1,0 +1,383 @@
+"""Hardening of the HTTP server (issue 16): values the engine cannot carry, text the tokenizer cannot encode,
+unbounded work (n, body size, over-long text, tokenization off the event loop), unknown and unsupported
+fields, the one unhandled-exception handler, API keys and CORS.
+
+A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
+API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
+raise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+import types
+
+import httpx
+import pytest
+
+from server_utils import Server, free_port
+
+MAX_MODEL_LEN = 512
+BODY_CAP = 8_000_000
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("hard") / "server.log",
+                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB",
+                  "--max-request-body-bytes", str(BODY_CAP)])
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _post(server: Server, path: str, body, **kw) -> httpx.Response:
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server.base + path, content=body, headers={"content-type": "application/json"},
+                          timeout=120, **kw)
+    return httpx.post(server.base + path, json=body, timeout=120, **kw)
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["param"] == param, err
+    return err
+
+
+CHAT = [{"role": "user", "content": "Say hi."}]
+
+
+# ----------------------------------------------------------------------------- values the engine cannot carry
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -(2**63) - 1}, "seed"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**63}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**64}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10**20}, "logprobs"),
+    ("/v1/completions", {"prompt": [2**64]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 10**6}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 10_000}, "n"),
+    ("/v1/completions", {"prompt": ["a"] * 100, "n": 2}, "prompt"),
+])
+def test_values_out_of_range_are_400_and_leave_nothing_tracked(server, path, body, param):
+    _assert_error(_post(server, path, {"max_tokens": 2, **body}), 400, param)
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+def test_seed_extremes_are_served(server):
+    for seed in (2**63 - 1, -(2**63)):
+        r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2, "seed": seed,
+                                              "temperature": 1.0})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2
+
+
+# ----------------------------------------------------------------------------- text the tokenizer cannot encode
+
+LONE = '"a\\ud800b"'  # valid JSON: a lone UTF-16 surrogate
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": %s, "max_tokens": 2}' % LONE, "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", %s], "max_tokens": 2}' % LONE, "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": [%s], "max_tokens": 2}' % LONE, "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}]}' % LONE, "messages"),
+    ("/tokenize", '{"prompt": %s}' % LONE, "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": %s}]}' % LONE, "messages"),
+    ("/detokenize", '{"tokens": [1], "model": %s}' % LONE, "model"),
+])
+def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
+    err = _assert_error(_post(server, path, body), 400, param)
+    assert "not valid Unicode" in err["message"]
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+# ----------------------------------------------------------------------------- unbounded work
+
+
+def test_body_over_the_cap_is_413(server):
+    big = json.dumps({"prompt": "x" * (BODY_CAP + 10), "max_tokens": 1})
+    _assert_error(_post(server, "/v1/completions", big), 413, None)
+
+    def chunks():  # no Content-Length: the cap is counted as the body arrives
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)].encode()
+
+    r = httpx.post(server.base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=120)
+    _assert_error(r, 413, None)
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server):
+    huge = "hello " * 750_000  # 4.5 MB
+    err = _assert_error(_post(server, "/v1/completions", {"prompt": huge, "max_tokens": 1}), 400, "prompt")
+    assert "too long" in err["message"] and "characters" in err["message"]
+    err = _assert_error(_post(server, "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": huge}]}), 400, "messages")
+    assert "too long" in err["message"]
+    # Text under the bound but over the context is still measured in tokens (the usual message).
+    err = _assert_error(_post(server, "/v1/completions", {"prompt": "hello " * 2000, "max_tokens": 1}), 400,
+                        "prompt")
+    assert "maximum context length" in err["message"]
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+    """100 prompts of ~40k characters each (under the per-text bound, so each is tokenized: ~4 MB, seconds
+    of work) are all tokenized before the request is refused for length (a small 400). That runs on the
+    tokenization thread, so /health requests sent in the second half of its lifetime complete before it does
+    (on the event loop they would all wait for it)."""
+    text = "the quick brown fox jumps over the lazy dog " * 900
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        done["start"] = time.monotonic()
+        r = _post(server, "/v1/completions", {"prompt": [text] * 100, "max_tokens": 1})
+        done["end"] = time.monotonic()
+        done["status"] = r.status_code
+        done["message"] = r.json()["error"]["message"]
+
+    t = threading.Thread(target=big)
+    t.start()
+    health: list[tuple[float, float]] = []
+    with httpx.Client(timeout=120) as c:
+        while "end" not in done:
+            t0 = time.monotonic()
+            assert c.get(server.base + "/health").status_code == 200
+            health.append((t0, time.monotonic()))
+    t.join()
+    assert done["status"] == 400 and "maximum context length" in done["message"], done
+    mid = (done["start"] + done["end"]) / 2
+    late = [h for h in health if h[0] > mid and h[1] < done["end"]]
+    assert late, f"no /health answered during the second half of the big request ({len(health)} in all)"
+
+
+# ----------------------------------------------------------------------------- unknown / unsupported fields
+
+
+def test_unknown_fields_are_warned_and_unsupported_ones_refused(server):
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "frobnicate_level": 3})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while "frobnicate_level" not in server.log_tail(20000) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "ignored: ['frobnicate_level']" in server.log_tail(20000)
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ]:
+        _assert_error(_post(server, path, body), 400, param)
+    # "not used" values of those fields are accepted
+    r = _post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "tools": [], "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- registration cleanup (in process)
+
+
+def test_a_failure_after_registration_unregisters_the_request():
+    """AsyncLLM.add_request: a payload msgpack cannot carry (a seed forced past int64 after validation), or a
+    send that fails, leaves no request in the output processor, the streams or the metrics."""
+    from tinyvllm.engine.async_llm import AsyncLLM, InvalidRequestError
+    from tinyvllm.engine.output_processor import OutputProcessor
+    from tinyvllm.engine.tokenizer import load_tokenizer
+    from tinyvllm.metrics.prometheus import ServerMetrics
+    from tinyvllm.metrics.stats import SchedulerStats
+    from tinyvllm.model.loader import resolve_model
+    from tinyvllm.sampling_params import SamplingParams
+
+    eng = AsyncLLM.__new__(AsyncLLM)  # no process: the bookkeeping only
+    eng.processor = OutputProcessor(load_tokenizer(resolve_model("SmolLM2-135M-Instruct").model_dir))
+    eng.metrics = ServerMetrics("m")
+    eng._queues, eng._dead, eng._accepting, eng.max_waiting_requests = {}, None, True, None
+    eng.stats, eng._num_sent, eng.eos_token_ids, eng.max_model_len, eng.vocab_size = SchedulerStats(), 0, [2], 64, 100
+
+    params = SamplingParams(seed=1)
+    params.seed = 2**64  # past validation: what msgpack cannot encode
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("r1", None, [1, 2], params)
+    assert not any(eng.tracked_state().values())
+
+    class Boom:
+        def send_multipart(self, *a, **k):
+            raise RuntimeError("socket broke")
+
+    eng._in_sock = Boom()
+    with pytest.raises(RuntimeError):
+        eng.add_request("r2", None, [1, 2], SamplingParams(n=3))
+    assert not any(eng.tracked_state().values())
+
+
+# ----------------------------------------------------------------------------- middleware under a real uvicorn
+
+
+class _StubEngine(types.SimpleNamespace):
+    def tracked_state(self) -> dict:
+        return {}
+
+
+@pytest.fixture()
+def stub_server():
+    """build_app over a stub engine with a ``/boom`` route that raises, served by uvicorn in a thread."""
+    import uvicorn
+
+    from tinyvllm.entrypoints.openai.api_server import build_app
+
+    started: list = []
+
+    def serve(**opts):
+        engine = _StubEngine(tokenizer=None, model_name="stub", is_running=True, engine_pid=1, max_model_len=8,
+                             vocab_size=8, metrics=types.SimpleNamespace(render=lambda: b""),
+                             resolved=types.SimpleNamespace(model_dir="/stub"))
+        app = build_app(engine, **opts)
+
+        @app.get("/v1/boom")
+        async def boom() -> dict:
+            raise RuntimeError("kaboom")
+
+        port = free_port()
+        srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+        th = threading.Thread(target=srv.run, daemon=True)
+        th.start()
+        while not srv.started:
+            time.sleep(0.01)
+        started.append((srv, th))
+        return f"http://127.0.0.1:{port}", port
+
+    yield serve
+    for srv, th in started:
+        srv.should_exit = True
+        th.join(10)
+
+
+def _raw_requests(port: int, paths: list[str]) -> list[bytes]:
+    """Send GETs one after the other on ONE connection (keep-alive); return each raw response."""
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        f = s.makefile("rb")
+        for p in paths:
+            s.sendall(f"GET {p} HTTP/1.1\r\nHost: x\r\nX-Request-Id: rid-{len(out)}\r\n\r\n".encode())
+            status = f.readline()
+            headers = {}
+            while (line := f.readline()) not in (b"\r\n", b""):
+                k, v = line.decode().split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+            body = f.read(int(headers.get("content-length", 0)))
+            out.append(status + body)
+    return out
+
+
+def test_unhandled_exception_is_one_log_line_and_keeps_the_connection(stub_server, caplog):
+    base, port = stub_server()
+    with caplog.at_level(logging.INFO):
+        first, second = _raw_requests(port, ["/v1/boom", "/health"])
+    assert first.startswith(b"HTTP/1.1 500")
+    err = json.loads(first.split(b"\r\n", 1)[1])["error"]
+    assert err["type"] == "InternalServerError" and "rid-0" in err["message"]
+    assert second.startswith(b"HTTP/1.1 200")  # same connection still served
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "rid-0" in errors[0].getMessage() and errors[0].exc_info is None
+
+
+def test_api_key_and_cors(stub_server):
+    base, _ = stub_server(api_keys=["sekrit"], allowed_origins=["http://ok.example"])
+    r = httpx.get(base + "/v1/models")
+    _assert_error(r, 401, None)
+    assert r.json()["error"]["type"] == "AuthenticationError"
+    _assert_error(httpx.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"}), 401, None)
+    _assert_error(httpx.get(base + "/debug/state", headers={"Authorization": "sekrit"}), 401, None)
+    assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+    assert httpx.get(base + "/health").status_code == 200  # open paths
+    assert httpx.get(base + "/metrics").status_code == 200
+    pre = httpx.options(base + "/v1/models", headers={"Origin": "http://ok.example",
+                                                      "Access-Control-Request-Method": "GET"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ok.example"
+    bad = httpx.options(base + "/v1/models", headers={"Origin": "http://evil.example",
+                                                      "Access-Control-Request-Method": "GET"})
+    assert "access-control-allow-origin" not in bad.headers
+    # a 401 still carries the CORS header, so a browser client can read the error
+    r = httpx.get(base + "/v1/models", headers={"Origin": "http://ok.example"})
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ok.example"
+
+
+def test_no_key_and_no_cors_by_default(stub_server):
+    base, _ = stub_server()
+    assert httpx.get(base + "/v1/models").status_code == 200
+    r = httpx.get(base + "/v1/models", headers={"Origin": "http://ok.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_server_flags_parse():
+    import argparse
+
+    from tinyvllm.entrypoints.openai.cli_args import add_server_args
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    a = p.parse_args([])
+    assert a.host == "127.0.0.1" and a.api_key is None and a.allowed_origins is None
+    assert a.max_request_body_bytes > 0 and "/health" in a.open_paths and "/metrics" in a.open_paths
+    a = p.parse_args(["--api-key", "k", "--allowed-origins", "*", "--open-paths", "/health"])
+    assert a.api_key == "k" and a.allowed_origins == ["*"] and a.open_paths == ["/health"]
+
+
+# ----------------------------------------------------------------------------- echo / prompt_logprobs / logit_bias
+
+
+def test_echo_logprobs_score_the_prompt(server):
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = _post(server, "/tokenize", {"prompt": prompt}).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    results = []
+    for _ in range(2):  # the second run finds the prompt in the prefix cache: still scored in full
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        lp = ch["logprobs"]
+        assert ch["text"].startswith(prompt)
+        assert len(lp["tokens"]) == len(ids) + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        assert "".join(lp["tokens"][:len(ids)]).endswith("Italy is")
+        results.append(lp["token_logprobs"])
+    assert results[0] == results[1]
+    # vLLM's prompt_logprobs field gives the same numbers
+    r = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2})
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(plp[i][str(ids[i])]["logprob"] - results[0][i]) < 1e-6
+        assert len(plp[i]) >= 2  # the token plus the top 2 (overlapping when it is one of them)
+    # streaming: the first chunk carries the echoed prompt and its logprobs
+    with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(prompt) and first["logprobs"]["token_logprobs"][0] is None
+    streamed = [v for c in chunks for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == results[0]
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+def test_logit_bias_over_http(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    forced = _post(server, "/v1/completions", {**body, "logit_bias": {"1234": 100}}).json()["choices"][0]["text"]
+    assert forced == _post(server, "/detokenize", {"tokens": [1234] * 3}).json()["prompt"]
+    for bias, in [({"1234": 101},), ({"abc": 1},), ({str(10**7): 1},)]:
+        _assert_error(_post(server, "/v1/completions", {**body, "logit_bias": bias}), 400, "logit_bias")
