@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -21,10 +22,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    WAITING_FOR_FSM = 6  # waiting, and its grammar is still compiling (vLLM's name)
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> str | None:
@@ -44,6 +46,8 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache when the
             request was first scheduled (-1 until then).
         max_tokens: resolved output limit (tokens).
+        grammar: the request's grammar state (a ``tinyvllm.structured_output.RequestGrammar``) when it
+            has ``structured_outputs``, else None; advanced by the scheduler with each sampled token.
     """
 
     request_id: str
@@ -59,6 +63,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(default_factory=list)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
