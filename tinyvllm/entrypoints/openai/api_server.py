@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -62,12 +63,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts[:5]), param
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None) -> FastAPI:
-    """The FastAPI application over a started :class:`AsyncLLM`."""
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, chat_template: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI application over a started :class:`AsyncLLM` (``chat_template``: Jinja text that
+    replaces the model's; ``tool_call_parser``: the model's tool-call format, ``hermes``)."""
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
     serving_models = OpenAIServingModels(engine, served_model_names)
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     app.state.engine = engine
 
@@ -157,7 +160,9 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         except EngineStartError as e:
             logger.error("%s", e)
             return 1
-        app = build_app(engine, served)
+        template_path = getattr(args, "chat_template", None)
+        template = Path(template_path).read_text() if template_path else None
+        app = build_app(engine, served, template, getattr(args, "tool_call_parser", None))
         level = args.log_level.lower()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5, lifespan="off")

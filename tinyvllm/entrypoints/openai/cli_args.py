@@ -16,5 +16,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model is served under (none: the model's name); the first is reported")
     EngineArgs.add_cli_args(g, group="server")
+    g.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="Jinja chat template replacing the model's (default: the model's; for requests with "
+                        "tools, tinyvllm's Hermes-style template when the model's ignores tools)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="format of the model's tool calls: <tool_call>{\"name\", \"arguments\"}</tool_call>")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and engine")

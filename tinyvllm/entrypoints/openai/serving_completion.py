@@ -70,6 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return err
         try:
             params = req.to_sampling_params()
+            await self.check_structured_outputs(params, "structured_outputs")
             prompts = self._completion_prompts(req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival)
