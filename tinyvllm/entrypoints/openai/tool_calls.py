@@ -26,9 +26,11 @@ from importlib import resources
 from typing import Any
 
 from tinyvllm.engine.input_processor import InvalidRequestError
+from tinyvllm.structured_output.tools import TOOL_CALL_END, TOOL_CALL_START, tool_structural_tag
 
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
+__all__ = ["HermesToolParser", "StreamingToolCallParser", "builtin_tool_template", "check_tool_choice",
+           "check_tools", "tool_structural_tag"]
+
 TOOL_CALL_PARSERS = ("hermes",)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
@@ -92,27 +94,6 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
         return {"name": name}  # type: ignore[return-value]
     raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-
-
-def _tag(tool: dict) -> dict:
-    fn = tool["function"]
-    return {"type": "tag", "begin": f'{TOOL_CALL_START}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 2},
-            "end": f"}}\n{TOOL_CALL_END}"}
-
-
-def tool_structural_tag(tools: list[dict], choice: Any, parallel: bool) -> str | None:
-    """The xgrammar structural tag (JSON text) that constrains the output for ``choice``; None for ``none``."""
-    if choice in (None, "none"):
-        return None
-    if choice == "auto":
-        fmt: dict = {"type": "triggered_tags", "triggers": [TOOL_CALL_START], "tags": [_tag(t) for t in tools],
-                     "at_least_one": False, "stop_after_first": not parallel}
-    else:
-        chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice["name"]]
-        fmt = {"type": "tags_with_separator", "tags": [_tag(t) for t in chosen], "separator": "\n",
-               "at_least_one": True, "stop_after_first": not parallel or choice != "required"}
-    return json.dumps({"type": "structural_tag", "format": fmt})
 
 
 def make_call_id() -> str:
