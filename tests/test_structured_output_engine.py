@@ -300,3 +300,17 @@ def test_a_compiling_grammar_does_not_block_other_requests(make_llm):
         if "slow" in finished:
             break
     assert "slow" in finished and re.fullmatch("[0-9]{5}", text(got["slow"]))
+
+
+def test_the_scheduler_advances_the_grammar_with_each_sampled_token(make_llm):
+    llm = make_llm()
+    core = llm.llm_engine.core
+    core.add_request(EngineCoreRequest("g", PROMPTS[0], SamplingParams(
+        temperature=0, max_tokens=6, structured_outputs=SO(regex="[0-9]{6}")), [EOS]))
+    req = core.scheduler.requests["g"]
+    req.grammar.wait(30)
+    for _ in range(4):
+        core.step()
+        # update_from_output accepted the token just sampled (not only the next bitmask's catch-up)
+        assert req.grammar.num_accepted == req.num_output_tokens > 0
+    core.abort_requests(["g"])
