@@ -314,3 +314,12 @@ def test_the_scheduler_advances_the_grammar_with_each_sampled_token(make_llm):
         # update_from_output accepted the token just sampled (not only the next bitmask's catch-up)
         assert req.grammar.num_accepted == req.num_output_tokens > 0
     core.abort_requests(["g"])
+
+
+def test_the_grammar_cache_is_bounded():
+    mgr = StructuredOutputManager(char_backend, max_cached_grammars=2)
+    for pat in ("a", "b", "a", "c", "a"):
+        mgr.grammar_for(SO(regex=pat), [EOS]).wait(30)
+    assert mgr.num_compiles == 3  # "a" stayed (recently used), "b" was dropped
+    mgr.grammar_for(SO(regex="b"), [EOS]).wait(30)
+    assert mgr.num_compiles == 4

@@ -103,14 +103,16 @@ class StructuredOutputManager:
     Args:
         backend_factory: builds the :class:`XgrammarBackend` (loads the tokenizer); called once, in
             the compile thread, at the first constrained request.
+        max_cached_grammars: compiled grammars kept for reuse (least recently used dropped first).
     """
 
-    def __init__(self, backend_factory: BackendFactory) -> None:
+    def __init__(self, backend_factory: BackendFactory, max_cached_grammars: int = 256) -> None:
         self._factory = backend_factory
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
-        self._cache: dict[tuple[str, str], Future] = {}
+        self._cache: dict[tuple[str, str], Future] = {}  # insertion order = least recently used first
+        self._max_cached = max_cached_grammars
         self.num_compiles = 0
 
     @property
@@ -127,12 +129,14 @@ class StructuredOutputManager:
     def grammar_for(self, so: StructuredOutputsParams, stop_token_ids: Sequence[int]) -> RequestGrammar:
         """Start (or share) the compile of ``so``; returns the request's grammar state at once."""
         key = so.key
-        fut = self._cache.get(key)
+        fut = self._cache.pop(key, None)
         if fut is None or (fut.done() and fut.exception() is not None):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-grammar")
             fut = self._executor.submit(self._compile, so)
-            self._cache[key] = fut
+        self._cache[key] = fut
+        while len(self._cache) > self._max_cached:  # requests keep their own reference to theirs
+            self._cache.pop(next(iter(self._cache)))
         return RequestGrammar(self, fut, stop_token_ids)
 
     def fill_bitmask(self, sched: SchedulerOutput, requests: Mapping[str, Any]) -> None:
