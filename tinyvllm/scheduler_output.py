@@ -72,6 +72,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         num_decode_tokens: requests computing exactly their newest output token.
         preempted_req_ids: requests preempted while building this step (KV freed).
         finished_req_ids: requests finished or aborted since the previous step.
+        structured_output_request_ids: requests with a grammar that sample this step, in bitmask row order.
+        grammar_bitmask: their next-token bitmask, int32 ``[len(structured_output_request_ids),
+            ceil(vocab_size / 32)]`` (C order) as bytes; bit ``t % 32`` of word ``t // 32`` set = token
+            ``t`` allowed (xgrammar's layout). Empty when no row is constrained.
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
@@ -82,6 +86,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_decode_tokens: int = 0
     preempted_req_ids: list[str] = []
     finished_req_ids: list[str] = []
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
     @property
     def is_empty(self) -> bool:

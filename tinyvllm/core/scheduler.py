@@ -258,10 +258,14 @@ class Scheduler:
             # that finished before the last was admitted must not open the batch to others.)
             self._static_to_admit = min(cfg.max_num_seqs, len(self.waiting))
         admit = not out.preempted_req_ids
+        compiling: list[Request] = []  # WAITING_FOR_FSM: passed over (in order) until their grammar is ready
         while admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             if static and self._static_to_admit <= 0:
                 break
             req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_FSM:
+                compiling.append(self.waiting.popleft())
+                continue
             computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             if req.sampling_params.prompt_logprobs is not None:  # needs the logits of every prompt position
                 computed_blocks, num_cached = [], 0
@@ -288,6 +292,7 @@ class Scheduler:
             self.running.append(req)
             self._emit(out, req, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         pc = self.kv.take_stats()
         self.stats.prefix_cache_queries += pc.queries
@@ -318,7 +323,13 @@ class Scheduler:
             if rid not in sampled:
                 continue
             req.append_output_token(sampled[rid])
-            if req.check_stop(self.max_model_len):
+            if req.grammar is not None and (not req.grammar.accept_token(sampled[rid])
+                                            or req.grammar.is_terminated()):
+                # The grammar accepted a stop token (EOS is only allowed where the output is complete),
+                # or (never with the bitmask applied) rejected the token: the request is done.
+                req.status = RequestStatus.FINISHED_STOPPED
+                self._finish(req)
+            elif req.check_stop(self.max_model_len):
                 self._finish(req)
             touched.append(req)
         return touched

@@ -30,7 +30,8 @@ from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tinyvllm.executor import get_executor_class
 from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
-from tinyvllm.request import Request
+from tinyvllm.request import Request, RequestStatus
+from tinyvllm.structured_output import StructuredOutputManager, XgrammarBackend
 
 # The KV block map (one byte per block) rides on a step's IterationStats at most this often (seconds).
 BLOCK_MAP_INTERVAL_S = 0.5
@@ -78,6 +79,16 @@ class EngineCore:
                              f"must be >= max_model_len ({self.max_model_len})")
         self.model_executor.initialize_kv_cache(num_blocks, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
+        # Grammars compile in a background thread; the tokenizer is loaded there at the first
+        # constrained request (tests with a raw vocabulary replace the manager).
+        model_dir, vocab_size = self.resolved.model_dir, info.vocab_size
+
+        def _backend() -> XgrammarBackend:
+            from tinyvllm.engine.tokenizer import load_tokenizer
+
+            return XgrammarBackend.from_hf_tokenizer(load_tokenizer(model_dir), vocab_size)
+
+        self.structured_output_manager = StructuredOutputManager(_backend)
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "model %s (%s, %s%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
@@ -110,11 +121,15 @@ class EngineCore:
         check_prompt(req.prompt_token_ids, sp, self.max_model_len, self.model_info.vocab_size)
         n = len(req.prompt_token_ids)
         max_tokens = self.max_model_len - n if sp.max_tokens is None else min(sp.max_tokens, self.max_model_len - n)
-        self.scheduler.add_request(Request(
+        request = Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=sp,
             eos_token_ids=frozenset(req.eos_token_ids), max_tokens=max_tokens,
             arrival_time=req.arrival_time or time.monotonic(), prefix_cache_debug=req.prefix_cache_debug,
-        ))
+        )
+        if sp.structured_outputs is not None:
+            request.grammar = self.structured_output_manager.grammar_for(sp.structured_outputs, req.eos_token_ids)
+            request.status = RequestStatus.WAITING_FOR_FSM
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -126,8 +141,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, update requests; return per-request new tokens and finishes."""
         t0 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = self._check_compiled_grammars()
         sched = self.scheduler.schedule()
-        outputs: list[EngineCoreOutput] = []
+        if not sched.is_empty:
+            self.structured_output_manager.fill_bitmask(sched, self.scheduler.requests)
+        elif not outputs:
+            # Nothing to run but grammars compiling: wait for one (a few ms at most) rather than spin,
+            # so the compile thread gets the CPU and the busy loop does not flood the front end.
+            pending = [r.grammar for r in self.scheduler.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
+            if pending:
+                pending[0].wait(0.005)
         if not sched.is_empty or sched.finished_req_ids:  # an empty schedule may still carry finishes
             result = self.model_executor.execute_model(sched)
             for req in self.scheduler.update_from_output(sched, result.sampled):
@@ -158,6 +181,22 @@ class EngineCore:
             step_seconds=t1 - t0, token_budget=self.scheduler.config.max_num_batched_tokens,
             kv_block_map=block_map)
         return outputs
+
+    def _check_compiled_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar finished compiling become schedulable; a failed compile (the API
+        validates first, so only an offline caller sees one) finishes the request as aborted."""
+        failed: list[EngineCoreOutput] = []
+        for req in [r for r in self.scheduler.waiting if r.status == RequestStatus.WAITING_FOR_FSM]:
+            if not req.grammar.ready:
+                continue
+            if req.grammar.error is None:
+                req.status = RequestStatus.WAITING
+                continue
+            logger.error("request %s: grammar compile failed: %s", req.request_id, req.grammar.error)
+            self.scheduler.abort_requests([req.request_id])
+            failed.append(EngineCoreOutput(request_id=req.request_id, new_token_ids=[], finish_reason="abort",
+                                           num_prompt_tokens=req.num_prompt_tokens))
+        return failed
 
     def make_stats(self) -> SchedulerStats:
         """Typed snapshot: queue and KV gauges, cumulative token / preemption / prefix-cache counters."""

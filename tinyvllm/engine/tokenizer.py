@@ -98,7 +98,7 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
         norm.append({**m, "content": content})
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and kwargs.get("chat_template") is None:
         raise ValueError("this model's tokenizer has no chat template; use a completion prompt")
     text = tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **kwargs)

@@ -113,6 +113,13 @@ def _add_bench_commands(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(bp)
     bench_tp.add_throughput_args(bp)
     bp.set_defaults(func=lambda a: (bench_tp.main_throughput(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
+    from tinyvllm.benchmarks import structured as bench_so
+
+    bp = bsub.add_parser("structured", help="structured outputs: validity, bitmask overhead, compile stall",
+                         formatter_class=_FMT)
+    EngineArgs.add_cli_args(bp)
+    bench_so.add_structured_args(bp)
+    bp.set_defaults(func=lambda a: (bench_so.main_structured(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
     bp = bsub.add_parser("latency", help="prefill and decode speed of the engine in-process",
                          formatter_class=_FMT)
     EngineArgs.add_cli_args(bp)

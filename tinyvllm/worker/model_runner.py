@@ -24,7 +24,7 @@ import torch
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
-from tinyvllm.sample.sampler import Sampler, SamplingMetadata, compute_logprobs, make_generator
+from tinyvllm.sample.sampler import Sampler, SamplingMetadata, apply_token_bitmask, compute_logprobs, make_generator
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.worker.cuda_graph import DecodeGraphRunner
@@ -167,7 +167,10 @@ class ModelRunner:
         if not sample_reqs:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        out = self._sample(logits, sample_reqs)
+        constrained: set[str] = set()
+        if sched.structured_output_request_ids:
+            logits, constrained = self._apply_grammar_bitmask(logits, sched, sample_reqs)
+        out = self._sample(logits, sample_reqs, constrained)
         for st in sample_reqs:  # the runner's own copy of the token history
             st.append(out.sampled[st.req_id])
             if st.sampling_params.prompt_logprobs is not None and not st.prompt_lps_sent:
@@ -209,12 +212,28 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return self.model(ids_t, pos_t, self.kv_caches, md)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState]) -> ModelRunnerOutput:
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sched: SchedulerOutput,
+                               reqs: list[CachedRequestState]) -> tuple[torch.Tensor, set[str]]:
+        """Mask the constrained rows' logits with the schedule's grammar bitmask (before penalties,
+        temperature, top-k/p and sampling, so logprobs are those of the masked distribution)."""
+        ids = sched.structured_output_request_ids
+        row_of = {st.req_id: i for i, st in enumerate(reqs)}
+        words = len(sched.grammar_bitmask) // 4 // len(ids)
+        bitmask = torch.frombuffer(bytearray(sched.grammar_bitmask), dtype=torch.int32).view(len(ids), words)
+        rows = torch.tensor([row_of[r] for r in ids], dtype=torch.int64, device=logits.device)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return apply_token_bitmask(logits, bitmask, rows), set(ids)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                constrained: set[str] = frozenset()) -> ModelRunnerOutput:  # type: ignore[assignment]
         """Sample one token per row of ``logits`` [N, vocab] float32 (row i is ``reqs[i]``)."""
         banned = []
         for st in reqs:
             sp = st.sampling_params
-            if len(st.output_token_ids) < sp.min_tokens:  # EOS and stop ids wait until min_tokens
+            if st.req_id in constrained:  # the grammar decides where EOS may come
+                banned.append([])
+            elif len(st.output_token_ids) < sp.min_tokens:  # EOS and stop ids wait until min_tokens
                 banned.append(sorted(st.eos_token_ids | set(sp.stop_token_ids or [])))
             else:
                 banned.append([])

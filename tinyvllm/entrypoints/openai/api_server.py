@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -73,15 +74,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 DEFAULT_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, *,
-              max_request_body_bytes: int | None = None, api_keys: list[str] | None = None,
-              open_paths: list[str] | tuple[str, ...] = DEFAULT_OPEN_PATHS,
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, chat_template: str | None = None,
+              tool_call_parser: str | None = None, *, max_request_body_bytes: int | None = None,
+              api_keys: list[str] | None = None, open_paths: list[str] | tuple[str, ...] = DEFAULT_OPEN_PATHS,
               allowed_origins: list[str] | None = None) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLM`.
 
     Args:
         engine: the started engine.
         served_model_names: names the model answers to (default: the engine's).
+        chat_template: Jinja text that replaces the model's chat template.
+        tool_call_parser: the model's tool-call format (``hermes``).
         max_request_body_bytes: larger request bodies get 413 (None: no cap).
         api_keys: when given, every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (401).
         open_paths: paths served without a key.
@@ -98,7 +101,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, *,
                            allow_headers=["*"], allow_credentials=False)
     serving_models = OpenAIServingModels(engine, served_model_names)
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     app.state.engine = engine
     add_dashboard_routes(app, engine)  # GET /dashboard, /dashboard/events
@@ -190,7 +193,10 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
             logger.error("%s", e)
             return 1
         api_key = args.api_key or envs.TINYVLLM_API_KEY
-        app = build_app(engine, served, max_request_body_bytes=args.max_request_body_bytes or None,
+        template_path = getattr(args, "chat_template", None)
+        template = Path(template_path).read_text() if template_path else None
+        app = build_app(engine, served, template, getattr(args, "tool_call_parser", None),
+                        max_request_body_bytes=args.max_request_body_bytes or None,
                         api_keys=[api_key] if api_key else None, open_paths=args.open_paths,
                         allowed_origins=args.allowed_origins)
         level = args.log_level.lower()

@@ -25,5 +25,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="CORS: origins allowed to call the server from a browser ('*' for any); default none")
     g.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                    help="larger request bodies get 413 (0: no cap); default 16 MiB")
+    g.add_argument("--chat-template", default=None, metavar="PATH",
+                   help="Jinja chat template replacing the model's (default: the model's; for requests with "
+                        "tools, tinyvllm's Hermes-style template when the model's ignores tools)")
+    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
+                   help="format of the model's tool calls: <tool_call>{\"name\", \"arguments\"}</tool_call>")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and engine")

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tinyvllm import envs
-from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.engine.input_processor import InvalidRequestError
+from tinyvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("tinyvllm.api_server")
 
@@ -91,8 +92,6 @@ class StreamOptions(OpenAIBaseModel):
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "suffix": "suffix (insertion) is not supported",
     "use_beam_search": "beam search is not supported",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
     "functions": "function calling is not supported",
     "function_call": "function calling is not supported",
     "audio": "audio output is not supported",
@@ -134,6 +133,9 @@ class _SamplingFields(OpenAIBaseModel):
 
     prompt_logprobs: int | None = None
 
+    # vLLM's extension: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": EBNF}
+    structured_outputs: dict[str, Any] | None = None
+
     def _check_unsupported(self) -> None:
         for name, reason in UNSUPPORTED_FIELDS.items():
             if name in type(self).model_fields and getattr(self, name) not in _UNUSED_VALUES:
@@ -146,8 +148,24 @@ class _SamplingFields(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
+    def _structured(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The output constraint and the request field it came from (for 400s)."""
+        so = self.structured_outputs
+        if so is None:
+            return None, "structured_outputs"
+        allowed = {"json", "regex", "choice", "grammar"}
+        given = {k: v for k, v in so.items() if v is not None}
+        if unknown := sorted(set(given) - allowed):
+            raise InvalidRequestError(f"structured_outputs: unsupported key(s) {unknown}; use one of "
+                                      f"{sorted(allowed)}", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**given), "structured_outputs"
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         self._check_unsupported()
         kw: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -162,7 +180,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
-            logit_bias=self.logit_bias, **kw,
+            logit_bias=self.logit_bias, structured_outputs=structured, **kw,
         )
 
     @property
@@ -190,7 +208,7 @@ class CompletionRequest(_SamplingFields):
         plp = None
         if self.echo and self.logprobs is not None:
             plp = max(self.logprobs, self.prompt_logprobs or 0)
-        return self._sampling_params(self.max_tokens, self.logprobs, plp)
+        return self._sampling_params(self.max_tokens, self.logprobs, plp, self._structured()[0])
 
 
 # ----------------------------------------------------------------------------- chat
@@ -216,19 +234,61 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    # OpenAI: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def _response_format(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise InvalidRequestError("response_format.json_schema must be an object with a 'name' "
+                                          "and a 'schema'", "response_format")
+            schema = js.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
+                                          "response_format")
+            return StructuredOutputsParams(json=schema)
+        raise InvalidRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                  f"got {kind!r}", "response_format")
+
+    def structured_outputs_and_param(self, tool_tag: str | None) -> tuple[StructuredOutputsParams | None, str]:
+        """The constraint (from the tools, ``response_format`` or ``structured_outputs``; at most one) and
+        the field a bad one is reported under."""
+        sources = []
+        if tool_tag is not None:
+            sources.append((StructuredOutputsParams(structural_tag=tool_tag), "tools"))
+        if (rf := self._response_format()) is not None:
+            sources.append((rf, "response_format"))
+        so, param = self._structured()
+        if so is not None:
+            sources.append((so, param))
+        if len(sources) > 1:
+            raise InvalidRequestError(f"only one of tools (with tool_choice other than 'none'), response_format "
+                                      f"and structured_outputs may constrain the output; got "
+                                      f"{', '.join(p for _, p in sources)}", sources[1][1])
+        return sources[0] if sources else (None, "structured_outputs")
+
+    def to_sampling_params(self, tool_tag: str | None = None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, structured=self.structured_outputs_and_param(tool_tag)[0])
 
 
 # ----------------------------------------------------------------------------- tokenize

@@ -18,6 +18,8 @@ from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE
                                                         collect, error_body, exception_response, json_encoder,
                                                         run_blocking, run_until_disconnect, sse, status_of,
                                                         usage_info)
+from tinyvllm.entrypoints.openai.tool_calls import (HermesToolParser, StreamingToolCallParser, check_tool_choice,
+                                                    check_tools, tool_structural_tag)
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -47,9 +49,14 @@ class OpenAIServingChat(OpenAIServing):
         renames = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         try:
-            params = req.to_sampling_params()
+            tools = check_tools(req.tools) if req.tools is not None else None
+            choice = check_tool_choice(req.tool_choice, tools)
+            use_tools = choice not in (None, "none")  # tools shown to the model, calls parsed
+            tag = tool_structural_tag(tools, choice, req.parallel_tool_calls is not False) if use_tools else None
+            params = req.to_sampling_params(tag)
+            await self.check_structured_outputs(params, req.structured_outputs_and_param(tag)[1])
             ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
-                                     req.continue_final_message)
+                                     req.continue_final_message, tools if use_tools else None)
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, [(None, ids)], params, arrival,
                                    prefix_cache_debug=req.prefix_cache_debug, user=req.user)
@@ -60,14 +67,15 @@ class OpenAIServingChat(OpenAIServing):
         top_n = params.logprobs if req.logprobs else None
         if req.stream:
             return StreamingResponse(self._chat_stream(req, params, ids, streams[0], request_id, model, created,
-                                                       top_n), media_type="text/event-stream")
+                                                       top_n, use_tools), media_type="text/event-stream")
         return await run_until_disconnect(
             raw, self._chat_full(params, ids, streams[0], request_id, model, created, top_n,
-                                 UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id)),
+                                 UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id), use_tools),
             streams[0].abort)
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
-                         model: str, created: int, top_n: int | None, tracker: UsageTracker) -> Response:
+                         model: str, created: int, top_n: int | None, tracker: UsageTracker,
+                         use_tools: bool = False) -> Response:
         prompt_lps: dict[int, list] = {}
         try:
             choices, cached = await collect([stream], params.n, tracker, prompt_lps)
@@ -76,8 +84,17 @@ class OpenAIServingChat(OpenAIServing):
         out_choices = []
         for idx, ch in choices.items():
             lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
-            out_choices.append({"index": idx, "message": {"role": "assistant", "content": ch.text},
-                                "logprobs": lp, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+            message: dict = {"role": "assistant", "content": ch.text}
+            finish = ch.finish_reason
+            if use_tools:
+                content, calls = HermesToolParser().extract(ch.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [c.as_openai() for c in calls]}
+                    if finish == "stop":
+                        finish = "tool_calls"
+            out_choices.append({"index": idx, "message": message,
+                                "logprobs": lp, "finish_reason": finish, "stop_reason": ch.stop_reason})
         usage = tracker.extend(usage_info(len(ids), sum(len(ch.token_ids) for ch in choices.values()), cached))
         body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": out_choices, "usage": usage}
@@ -86,9 +103,10 @@ class OpenAIServingChat(OpenAIServing):
         return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
-                           stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None
-                           ) -> AsyncIterator[bytes]:
+                           stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None,
+                           use_tools: bool = False) -> AsyncIterator[bytes]:
         include_usage = req.include_usage
+        parsers = {i: StreamingToolCallParser() for i in range(params.n)} if use_tools else {}
         completion_tokens = 0
         cached = 0
         tracker = UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id)
@@ -112,11 +130,20 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if top_n is not None and c.logprobs:
                         lp = self._chat_logprobs(c.token_ids, c.logprobs, top_n)
-                    if not c.text and c.finish_reason is None and lp is None:
+                    text, finish = c.text, c.finish_reason
+                    if use_tools:
+                        parser = parsers[c.index]
+                        text, call_chunks = parser.feed(c.text, final=finish is not None)
+                        for calls in call_chunks:
+                            yield chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                          "finish_reason": None}])
+                        if finish == "stop" and parser.num_calls:
+                            finish = "tool_calls"
+                    if not text and finish is None and lp is None:
                         continue
-                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    delta = {"content": text} if text or finish is None else {}
                     yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                                  "finish_reason": finish, "stop_reason": c.stop_reason}])
             if include_usage:
                 yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": tracker.extend(usage_info(len(ids), completion_tokens, cached))})

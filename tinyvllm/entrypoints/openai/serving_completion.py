@@ -93,6 +93,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return err
         try:
             params = req.to_sampling_params()
+            await self.check_structured_outputs(params, "structured_outputs")
             prompts = await run_blocking(self._completion_prompts, req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival, prefix_cache_debug=req.prefix_cache_debug,

@@ -258,11 +258,42 @@ def max_token_chars(tokenizer: Any) -> int:
 class OpenAIServing:
     """The base of the endpoint classes, over one :class:`AsyncLLM`."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None,
+                 chat_template: str | None = None, tool_call_parser: str | None = None) -> None:
+        """``chat_template``: Jinja text replacing the model's (``--chat-template``); ``tool_call_parser``:
+        the format of the model's tool calls (``--tool-call-parser``; ``hermes``, the default)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names or [engine.model_name]
         self.model_name = self.served_model_names[0]
+        self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser or "hermes"
+
+    async def check_structured_outputs(self, params: SamplingParams, param: str) -> None:
+        """Raise ``GrammarError`` (a 400 naming ``param``) unless the request's constraint compiles.
+
+        Only the tokenizer-independent grammar is built here (well under a millisecond for ordinary
+        schemas), in a thread: the first call also imports xgrammar (about 1-3 s, it imports torch),
+        which must not stall the event loop. The token masks are compiled by the engine core, off its
+        step loop."""
+        if params.structured_outputs is None:
+            return
+        from tinyvllm.structured_output import validate
+
+        await asyncio.to_thread(validate, params.structured_outputs, param)
+
+    def _template_for(self, msgs: list[dict], tools: list[dict] | None) -> str | None:
+        """The chat template to render with: ``--chat-template`` if given; tinyvllm's tool-capable
+        template when the request has tools or tool messages and the model's template ignores them."""
+        if self.chat_template is not None:
+            return self.chat_template
+        needs_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in msgs)
+        own = self.tokenizer.chat_template
+        if needs_tools and (not isinstance(own, str) or "tool" not in own):
+            from tinyvllm.entrypoints.openai.tool_calls import builtin_tool_template
+
+            return builtin_tool_template()
+        return None
 
     # -------------------------------------------------------------- model
     def check_model(self, model: str | None) -> JSONResponse | None:
@@ -292,7 +323,8 @@ class OpenAIServing:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeRequest, messages: list,
-                         add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+                         add_generation_prompt: bool, continue_final_message: bool = False,
+                         tools: list[dict] | None = None) -> list[int]:
         msgs = []
         chars = 0
         for i, m in enumerate(messages):
@@ -312,6 +344,11 @@ class OpenAIServing:
                 raise InvalidRequestError("continue_final_message needs a final assistant message", "messages")
             kwargs["continue_final_message"] = True
             add_generation_prompt = False
+        template = self._template_for(msgs, tools)
+        if template is not None:
+            kwargs["chat_template"] = template
+        if tools:
+            kwargs["tools"] = tools
         try:
             return apply_chat_template(self.tokenizer, msgs, add_generation_prompt, **kwargs)
         except InvalidRequestError:

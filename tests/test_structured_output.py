@@ -1,0 +1,304 @@
+"""Structured outputs and tool calling through the real server: a ``tinyvllm serve`` process with the
+real SmolLM2-135M-Instruct, driven by the official ``openai`` client; outputs are checked with
+``jsonschema`` against the schema asked for.
+
+One server for the module (greedy decoding unless a test says otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from test_server import ServerProc, _free_port, _pid_alive
+
+MODEL = "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 240
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search_web", "description": "Search the web",
+    "parameters": {"type": "object", "properties": {
+        "query": {"type": "string", "maxLength": 40},
+        "max_results": {"type": "integer", "minimum": 1, "maximum": 10}},
+        "required": ["query", "max_results"], "additionalProperties": False}}}
+TOOLS = [WEATHER, SEARCH]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
+           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
+           "--tool-call-parser", "hermes"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    srv = ServerProc(proc, port, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with code {proc.returncode} during start-up:\n{srv.log_tail()}")
+        try:
+            r = httpx.get(srv.base + "/health", timeout=2)
+            if r.status_code == 200:
+                srv.core_pid = r.json()["engine_core_pid"]
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{srv.log_tail()}")
+        time.sleep(0.5)
+    yield srv
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if srv.core_pid and _pid_alive(srv.core_pid):
+        os.kill(srv.core_pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+# ----------------------------------------------------------------------------- response_format
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population_millions: int = Field(ge=0, le=100)
+    kind: Literal["capital", "town", "village"]
+
+
+def test_parse_with_pydantic_model(client):
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}], response_format=City,
+        temperature=0, max_completion_tokens=120)
+    msg = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(msg.parsed, City)
+    jsonschema.validate(json.loads(msg.content), City.model_json_schema())
+
+
+def test_json_object(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about a cat."}],
+        response_format={"type": "json_object"}, temperature=0, max_completion_tokens=80)
+    ch = r.choices[0]
+    if ch.finish_reason == "stop":
+        assert isinstance(json.loads(ch.message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert ch.finish_reason == "length" and ch.message.content.startswith("{")
+
+
+def test_structured_outputs_extension_both_endpoints(client):
+    r = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=10, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].text in ("red", "green", "blue") and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me an email address."}], temperature=0,
+        max_completion_tokens=40, extra_body={"structured_outputs": {"regex": r"[a-z]{1,10}@[a-z]{1,10}\.com"}})
+    assert re.fullmatch(r"[a-z]{1,10}@[a-z]{1,10}\.com", r.choices[0].message.content)
+    r = client.completions.create(model=MODEL, prompt="Answer yes or no: is the sky blue?", max_tokens=5,
+                                  temperature=0,
+                                  extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})
+    assert r.choices[0].text in ("yes", "no")
+
+
+def test_unsatisfiable_within_max_tokens_finishes_with_length(client):
+    r = client.completions.create(model=MODEL, prompt="Count:", max_tokens=5, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "a{50}"}})
+    assert r.choices[0].finish_reason == "length"
+    assert set(r.choices[0].text) <= {"a"}
+
+
+def test_n_samples_each_follow_the_grammar(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick a number."}], n=3, temperature=1.0, seed=7,
+        max_completion_tokens=10, extra_body={"structured_outputs": {"regex": "[1-9][0-9]?"}})
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        assert ch.message.content.isdigit() and 1 <= int(ch.message.content) <= 99
+
+
+def test_stop_string_and_logprobs_with_a_grammar(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Spell a word."}], temperature=0,
+        max_completion_tokens=20, logprobs=True, top_logprobs=3, stop=["c"],
+        extra_body={"structured_outputs": {"regex": "abcabc"}})
+    ch = r.choices[0]
+    assert ch.message.content == "ab" and ch.finish_reason == "stop"
+    # Logprobs are those of the masked distribution: every listed alternative is a token the grammar
+    # allowed there (a prefix of "abcabc"), never one the raw distribution preferred.
+    so_far = ""
+    for entry in ch.logprobs.content:
+        assert entry.top_logprobs and all("abcabc".startswith(so_far + t.token) or t.logprob <= -9999
+                                          for t in entry.top_logprobs)
+        so_far += entry.token
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def _check_calls(calls, allowed: dict[str, dict]):
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name in allowed
+        jsonschema.validate(json.loads(call.function.arguments), allowed[call.function.name])
+
+
+def test_tool_choice_required(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_completion_tokens=100)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    _check_calls(ch.message.tool_calls, SCHEMAS)
+
+
+def test_parallel_tool_calls(client):
+    # The small model keeps calling tools until max_tokens: every complete call validates, and the
+    # call cut by the limit is left in the content.
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_completion_tokens=100)
+    ch = r.choices[0]
+    assert ch.finish_reason in ("tool_calls", "length") and len(ch.message.tool_calls) >= 1
+    _check_calls(ch.message.tool_calls, SCHEMAS)
+
+
+def test_tool_choice_named(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_completion_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "search_web"}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    _check_calls(ch.message.tool_calls, {"search_web": SCHEMAS["search_web"]})
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_tool_calls_streamed(client, choice):
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                            parallel_tool_calls=False, temperature=0, max_completion_tokens=100,
+                                            stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = c["id"] or tc.id
+                if tc.function and tc.function.name:
+                    c["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    c["arguments"] += tc.function.arguments
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and calls
+    for c in calls.values():
+        assert c["id"].startswith("call_") and c["name"] in SCHEMAS
+        jsonschema.validate(json.loads(c["arguments"]), SCHEMAS[c["name"]])
+    # The same call as without streaming (greedy): same name and arguments.
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice,
+                                       parallel_tool_calls=False, temperature=0, max_completion_tokens=100)
+    assert [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls] == \
+        [(c["name"], c["arguments"]) for c in calls.values()]
+
+
+def test_tool_choice_auto_gives_text_or_a_valid_call(client):
+    for messages in (ASK, [{"role": "user", "content": "Say hello."}]):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="auto",
+                                           temperature=0, max_completion_tokens=30)
+        ch = r.choices[0]
+        if ch.message.tool_calls:
+            assert ch.finish_reason == "tool_calls"
+            _check_calls(ch.message.tool_calls, SCHEMAS)
+        else:
+            assert ch.finish_reason in ("stop", "length") and "</tool_call>" not in (ch.message.content or "")
+
+
+def test_tool_history_round_trip(client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_completion_tokens=100)
+    call = r.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+    ]
+    r2 = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                        temperature=0, max_completion_tokens=12)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _post(server, path, body):
+    return httpx.post(server.base + path, json={"model": MODEL, **body}, timeout=120)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}}}},
+     "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+], ids=["invalid-schema", "unsupported-keyword", "bad-response-format", "bad-regex", "bad-grammar",
+        "empty-choice", "two-constraints", "unknown-tool-name", "bad-tool-choice", "tool-params-not-object",
+        "tool-params-invalid-schema", "tool-without-function"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_invalid_constraints_are_400_naming_the_field(server, body, param, stream):
+    r = _post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 5, "stream": stream, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == 400 and err["message"]
+
+
+def test_invalid_constraint_on_completions_is_400(server):
+    r = _post(server, "/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"type": "objectx"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
+def test_server_still_serves_after_errors(client, server):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    m = httpx.get(server.base + "/metrics", timeout=10).text
+    running = [ln for ln in m.splitlines() if ln.startswith("tinyvllm:num_requests_running")]
+    assert running and all(float(ln.split()[-1]) == 0 for ln in running)
