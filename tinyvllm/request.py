@@ -44,6 +44,9 @@ class Request:
         num_cached_tokens: prompt tokens served from the prefix cache when the
             request was first scheduled (-1 until then).
         max_tokens: resolved output limit (tokens).
+        cache_salt: folded into the first block's hash (vLLM's field): requests share
+            prefix-cached (and offloaded) blocks only with requests of the same salt.
+        num_cached_tokens_tier: the part of ``num_cached_tokens`` loaded from the KV offload tier.
     """
 
     request_id: str
@@ -59,6 +62,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     all_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    num_cached_tokens_tier: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

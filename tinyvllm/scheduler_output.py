@@ -72,6 +72,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         num_decode_tokens: requests computing exactly their newest output token.
         preempted_req_ids: requests preempted while building this step (KV freed).
         finished_req_ids: requests finished or aborted since the previous step.
+        kv_offload_stores: ``(block_id, slot, block hash as 32 hex digits)`` copies from the KV pool to
+            the offload tier, and
+        kv_offload_loads: ``(slot, block_id)`` copies back; the worker runs all stores, then all
+            loads, before the forward (:mod:`tinyvllm.core.kv_offload`).
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
@@ -82,6 +86,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_decode_tokens: int = 0
     preempted_req_ids: list[str] = []
     finished_req_ids: list[str] = []
+    kv_offload_stores: list[tuple[int, int, str]] = []
+    kv_offload_loads: list[tuple[int, int]] = []
 
     @property
     def is_empty(self) -> bool:

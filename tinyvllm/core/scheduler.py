@@ -19,6 +19,7 @@ import msgspec
 
 from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
+from tinyvllm.core.kv_offload import OffloadIndex
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -32,12 +33,13 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, offload: OffloadIndex | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 offload=offload)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -100,6 +102,11 @@ class Scheduler:
         """A snapshot: the cumulative counters plus the current queue and KV gauges."""
         st = msgspec.structs.replace(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
                                      kv_blocks_used=self.kv.num_owned_blocks())
+        off = self.kv.offload
+        if off is not None:
+            st = msgspec.structs.replace(st, kv_offload_blocks_used=len(off), kv_offload_blocks_total=off.num_slots,
+                                         kv_offload_stored_blocks=off.stats.stored,
+                                         kv_offload_loaded_blocks=off.stats.loaded)
         return st
 
     # ------------------------------------------------------------------ schedule
@@ -190,20 +197,24 @@ class Scheduler:
             if static and self._static_to_admit <= 0:
                 break
             req = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                                      req.cache_salt)
             num_new = req.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            num_tier = self.kv.num_tier_hit_tokens(req.request_id)
             blocks = self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new,
                                             computed_blocks)
             if blocks is None:
                 break
+            self.stats.kv_offload_hit_tokens += num_tier
             self.waiting.popleft()
             if static:
                 self._static_to_admit -= 1
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.num_cached_tokens_tier = num_tier
                 self.stats.cached_prompt_tokens += num_cached
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
@@ -211,6 +222,7 @@ class Scheduler:
             self._emit(out, req, num_new)
             budget -= num_new
 
+        out.kv_offload_stores, out.kv_offload_loads = self.kv.take_offload_ops()
         pc = self.kv.take_stats()
         self.stats.prefix_cache_queries += pc.queries
         self.stats.prefix_cache_hits += pc.hits

@@ -23,6 +23,7 @@ import time
 import torch
 
 from tinyvllm.config import EngineConfig, resolve_device
+from tinyvllm.core.kv_offload import OffloadIndex
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.input_processor import check_prompt
 from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -73,7 +74,18 @@ class EngineCore:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")
         self.model_executor.initialize_kv_cache(num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
+        offload = None
+        if cc.kv_offload_size:
+            num_slots = cc.kv_offload_size // bytes_per_block
+            if num_slots < 1:
+                raise ValueError(f"kv_offload_size {cc.kv_offload_size} B holds no KV block "
+                                 f"({bytes_per_block} B each)")
+            entries = self.model_executor.initialize_kv_offload(num_slots, cc.kv_offload_path)
+            offload = OffloadIndex(num_slots, entries)
+            logger.info("KV offload tier: %d blocks (%.2f GiB) in %s%s", num_slots,
+                        num_slots * bytes_per_block / 2**30, cc.kv_offload_path or "host memory",
+                        f", {len(entries)} blocks from a previous run" if entries else "")
+        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload)
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "model %s (%s, %s%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",

@@ -25,6 +25,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         num_preemptions: preemptions (requests, not tokens).
         prefix_cache_queries / prefix_cache_hits: tokens looked up / found in the prefix cache.
         num_added: requests the engine core received (the API process's admission estimate).
+    KV offload tier (all zero without one):
+        kv_offload_blocks_used / kv_offload_blocks_total: tier slots holding a block / all slots (gauges).
+        kv_offload_stored_blocks / kv_offload_loaded_blocks: blocks copied pool -> tier / tier -> pool.
+        kv_offload_hit_tokens: prompt tokens served from the tier (part of ``prefix_cache_hits``).
     """
 
     num_running: int = 0
@@ -39,6 +43,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_added: int = 0
+    kv_offload_blocks_used: int = 0
+    kv_offload_blocks_total: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_hit_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
