@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Sequence
 
@@ -190,9 +191,16 @@ class DiskKVTier(HostKVTier):
                                    "ignoring its blocks and re-initializing it", self.path)
                 if not reuse:
                     os.ftruncate(fd, 0)
+                have = os.fstat(fd).st_blocks * 512  # already allocated to the file
+                free = shutil.disk_usage(directory).free
+                if total > have + free:  # checked first: a failing fallocate may leave blocks allocated
+                    raise KVTierError(f"--kv-offload-path {directory}: the KV offload file needs "
+                                      f"{total / 2**30:.2f} GiB but only {(have + free) / 2**30:.2f} GiB are "
+                                      f"free; lower --kv-offload-size or free disk space")
                 try:
                     os.posix_fallocate(fd, 0, total)
                 except OSError as e:
+                    os.ftruncate(fd, 0)  # give back whatever the failed reservation allocated
                     raise KVTierError(f"--kv-offload-path {directory}: cannot reserve {total / 2**30:.2f} GiB "
                                       f"for the KV offload file ({e.strerror}); lower --kv-offload-size or free "
                                       f"disk space") from e
