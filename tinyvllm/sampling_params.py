@@ -83,6 +83,9 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: join special tokens with spaces when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the output text.
+        cache_salt: a non-empty string folded into the hash of the request's first KV block (vLLM's
+            request field), so that it shares prefix-cached and offloaded blocks only with requests
+            of the same salt (isolation between tenants); None shares with every unsalted request.
     """
 
     n: int = 1
@@ -104,6 +107,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -128,6 +132,8 @@ class SamplingParams:
         self.include_stop_str_in_output = _check_bool(
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
 

@@ -317,6 +317,10 @@ class KVCacheManager:
         self._tier_hits.pop(request_id, None)
         self.req_to_salt.pop(request_id, None)
         if blocks:
+            if self.offload is not None and self.offload.store_on_free:
+                for block in blocks:  # head first: a tier too small for all keeps the shared prefix
+                    if block.block_hash is not None:
+                        self.offload.prepare_store(block.block_hash, block.block_id)
             self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

@@ -31,6 +31,7 @@ from tinyvllm.executor import get_executor_class
 from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
 from tinyvllm.request import Request
+from tinyvllm.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("tinyvllm")
 
@@ -81,7 +82,7 @@ class EngineCore:
                 raise ValueError(f"kv_offload_size {cc.kv_offload_size} B holds no KV block "
                                  f"({bytes_per_block} B each)")
             entries = self.model_executor.initialize_kv_offload(num_slots, cc.kv_offload_path)
-            offload = OffloadIndex(num_slots, entries)
+            offload = OffloadIndex(num_slots, entries, store_on_free=cc.kv_offload_path is not None)
             logger.info("KV offload tier: %d blocks (%.2f GiB) in %s%s", num_slots,
                         num_slots * bytes_per_block / 2**30, cc.kv_offload_path or "host memory",
                         f", {len(entries)} blocks from a previous run" if entries else "")
@@ -120,11 +121,20 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=sp,
             eos_token_ids=frozenset(req.eos_token_ids), max_tokens=max_tokens,
-            arrival_time=req.arrival_time or time.monotonic(),
+            arrival_time=req.arrival_time or time.monotonic(), cache_salt=sp.cache_salt,
         ))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._flush_kv_offload()
+
+    def _flush_kv_offload(self) -> None:
+        """Run the offload copies prepared outside ``schedule()`` (a disk tier's stores of the requests
+        freed by this step's finishes or by an abort) now, in a schedule that carries only them, so
+        that they reach the tier even if no step follows."""
+        stores, loads = self.scheduler.kv.take_offload_ops()
+        if stores or loads:
+            self.model_executor.execute_model(SchedulerOutput(kv_offload_stores=stores, kv_offload_loads=loads))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -148,6 +158,7 @@ class EngineCore:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 ))
+        self._flush_kv_offload()
         self.last_iteration = IterationStats(
             num_prefill_tokens=sched.num_prefill_tokens, num_decode_tokens=sched.num_decode_tokens,
             num_scheduled_reqs=len(sched.num_scheduled_tokens), num_preempted_reqs=len(sched.preempted_req_ids),

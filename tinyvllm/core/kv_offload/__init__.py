@@ -18,6 +18,9 @@ offloading PR discussion and SGLang's HiRadixCache "write_back" policy).
 request's hash chain into the tier after its pool hits; hits are copied into
 freshly allocated pool blocks before the step's forward.
 
+A disk tier also stores a request's blocks when the request is freed
+(``store_on_free``), so a restart finds them.
+
 Per step, the copies are returned by :meth:`OffloadIndex.take_ops` as
 ``(stores, loads)``; the worker runs every store before any load, and both
 before the forward (a block handed out this step is overwritten by this step's
@@ -55,15 +58,19 @@ class OffloadIndex:
         num_slots: slots in the tier (>= 1); one slot holds one KV block of every layer.
         entries: ``(slot, block_hash)`` pairs already in the tier (a disk tier reopened after a
             restart), least recently used first.
+        store_on_free: also store a request's cached blocks when it finishes (write-back at the end
+            of a request, as well as on eviction): the disk tier's policy, so that what a session
+            computed is on disk even if the server stops before the pool evicts it.
 
     Raises:
         ValueError: ``num_slots < 1``; an entry's slot out of range or given twice.
     """
 
-    def __init__(self, num_slots: int, entries: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(self, num_slots: int, entries: Iterable[tuple[int, int]] = (), store_on_free: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
+        self.store_on_free = store_on_free
         # block hash -> slot, least recently used first.
         self._lru: OrderedDict[int, int] = OrderedDict()
         used: set[int] = set()

@@ -56,6 +56,7 @@ class _SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's field: isolates this request's prefix-cache / offload blocks
 
     def _check_unsupported(self) -> None:
         if self.logit_bias:
@@ -78,7 +79,7 @@ class _SamplingFields(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, **kw,
+            include_stop_str_in_output=self.include_stop_str_in_output, cache_salt=self.cache_salt, **kw,
         )
 
     @property

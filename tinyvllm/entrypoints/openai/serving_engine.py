@@ -36,7 +36,7 @@ logger = logging.getLogger("tinyvllm.serving")
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
                 422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
-_SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+_SAMPLING_FIELDS = {"cache_salt", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
                     "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
