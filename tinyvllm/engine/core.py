@@ -167,7 +167,12 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         """Typed snapshot: queue and KV gauges, cumulative token / preemption / prefix-cache counters."""
-        return self.scheduler.make_stats()
+        st = self.scheduler.make_stats()
+        tier = getattr(self.runner, "kv_offload", None) if hasattr(self.model_executor, "worker") else None
+        if tier is not None:  # the worker's copy timer (uniprocess executor)
+            st.kv_offload_block_bytes = tier.slot_bytes
+            st.kv_offload_load_seconds = tier.load_seconds
+        return st
 
     def stats(self) -> dict:
         """:meth:`make_stats` as a dict: ``num_steps``, ``prefill_tokens``, ``decode_tokens``,
