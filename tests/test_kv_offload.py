@@ -319,3 +319,20 @@ def test_disk_tier_full_disk_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(mod.KVTierError, match="only 0.00 GiB are free"):
         mod.DiskKVTier(tmp_path, 4, (3, 2, BS, 2, 8), torch.bfloat16, _fp())
     assert (tmp_path / mod.FILE_NAME).stat().st_size == 0  # nothing reserved
+
+
+def test_bench_per_turn_computed_tokens_and_history_share():
+    from tinyvllm.benchmarks.metrics import RequestRecord, per_turn_stats
+
+    recs = [RequestRecord(0, success=True, ttft=0.1, e2e=0.2, prompt_tokens=100, output_tokens=20, cached_tokens=0,
+                          session_id=0, turn=0),
+            RequestRecord(1, success=True, ttft=0.1, e2e=0.2, prompt_tokens=160, output_tokens=20, cached_tokens=112,
+                          session_id=0, turn=1),
+            RequestRecord(2, success=True, ttft=0.1, e2e=0.2, prompt_tokens=100, output_tokens=20, cached_tokens=0,
+                          session_id=1, turn=0),
+            RequestRecord(3, success=True, ttft=0.1, e2e=0.2, prompt_tokens=160, output_tokens=20, cached_tokens=48,
+                          session_id=1, turn=1)]
+    t0, t1 = per_turn_stats(recs)
+    assert t0["total_computed_tokens"] == 200 and t0["mean_history_cached_frac"] is None
+    assert t1["total_computed_tokens"] == 48 + 112 and t1["mean_computed_tokens"] == 80
+    assert t1["mean_history_cached_frac"] == pytest.approx((112 / 120 + 48 / 120) / 2)
