@@ -102,6 +102,7 @@ def test_disk_tier_survives_a_restart(make_smol_llm, tmp_path):
     o2 = b.generate({"prompt_token_ids": turn2}, SP)[0]
     # Every full block of turn 1's prompt + answer (104 tokens: 6 blocks) comes from the disk.
     assert o2.num_cached_tokens == 96
+    assert o2.num_cached_tokens_tier == 96  # all from the disk: the new engine's pool was empty
     assert b.stats()["kv_offload_hit_tokens"] == 96
     ref = make_smol_llm().generate({"prompt_token_ids": turn2}, SP)[0]
     assert o2.outputs[0].token_ids == ref.outputs[0].token_ids

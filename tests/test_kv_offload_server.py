@@ -88,6 +88,9 @@ def test_session_resumes_from_disk_after_sigkill_restart(tmp_path):
         # Every full block of turn 1's prompt comes from the disk tier: only the new tokens (the answer
         # as re-templated, the new message, and at most one partial block) are computed.
         assert cached >= p1 // BS * BS
+        # A fresh pool after the restart: all of them came from the tier (the extension field says so).
+        assert getattr(r2.usage.prompt_tokens_details, "cached_tokens_tier", None) == cached
+        assert not hasattr(r1.usage.prompt_tokens_details, "cached_tokens_tier")  # no tier hit, no field
         assert r2.usage.prompt_tokens - cached < r2.usage.prompt_tokens - p1 + BS
         other = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0,
                                           extra_body={"cache_salt": "session-2"})

@@ -69,6 +69,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler

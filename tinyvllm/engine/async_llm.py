@@ -94,6 +94,7 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.finished = b.finished
     a.metrics = b.metrics
     a.num_cached_tokens = b.num_cached_tokens
+    a.num_cached_tokens_tier = b.num_cached_tokens_tier
     return a
 
 

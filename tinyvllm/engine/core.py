@@ -157,6 +157,7 @@ class EngineCore:
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
+                    num_cached_tokens_tier=req.num_cached_tokens_tier,
                 ))
         self._flush_kv_offload()
         self.last_iteration = IterationStats(

@@ -76,6 +76,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

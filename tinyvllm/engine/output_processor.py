@@ -104,6 +104,7 @@ class _RequestState:
     samples: dict[str, _SampleState]  # child (engine) request id -> state
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    num_cached_tokens_tier: int = 0
 
     @property
     def finished(self) -> bool:
@@ -176,6 +177,7 @@ class OutputProcessor:
             if st.metrics.first_token_time is None:
                 st.metrics.first_token_time = now
             st.num_cached_tokens = max(st.num_cached_tokens, o.num_cached_tokens)
+            st.num_cached_tokens_tier = max(st.num_cached_tokens_tier, o.num_cached_tokens_tier)
             s.token_ids.extend(o.new_token_ids)
             if o.new_logprobs is not None and s.logprobs is not None:
                 for lp in o.new_logprobs:
@@ -226,4 +228,4 @@ class OutputProcessor:
             st.metrics.finished_time = now
         st.metrics.num_cached_tokens = st.num_cached_tokens
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
-                             st.num_cached_tokens, st.metrics)
+                             st.num_cached_tokens, st.metrics, st.num_cached_tokens_tier)

@@ -15,6 +15,7 @@ from tinyvllm.entrypoints.openai.protocol import ChatCompletionRequest
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE, OpenAIServing, clamp_logprob,
                                                         collect, error_body, exception_response, json_encoder,
                                                         run_until_disconnect, sse, status_of, usage_info)
+from tinyvllm.entrypoints.openai.serving_engine import cached_of
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for out in stream:
-                cached = out.num_cached_tokens
+                cached = cached_of(out)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     lp = None

@@ -17,6 +17,7 @@ from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE
                                                         clamp_logprob, collect, error_body, exception_response,
                                                         iterate_streams, json_encoder, run_until_disconnect, sse,
                                                         status_of, usage_info)
+from tinyvllm.entrypoints.openai.serving_engine import cached_of, sum_cached
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -127,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async with contextlib.aclosing(iterate_streams(streams)) as it:
                 async for pi, out in it:
-                    cached[pi] = out.num_cached_tokens
+                    cached[pi] = cached_of(out)
                     for c in out.outputs:
                         idx = pi * n + c.index
                         ch = choices[idx]
@@ -151,7 +152,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(chunk)
             if include_usage:
                 usage = usage_info(sum(len(ids) for _, ids in prompts),
-                               sum(len(ch.token_ids) for ch in choices.values()), sum(cached))
+                               sum(len(ch.token_ids) for ch in choices.values()), sum_cached(cached))
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage})
             yield SSE_DONE

@@ -192,19 +192,44 @@ async def collect(streams: list[RequestStream], n: int) -> tuple[dict[int, Choic
     try:
         async with contextlib.aclosing(iterate_streams(streams)) as it:
             async for pi, out in it:
-                cached[pi] = out.num_cached_tokens
+                cached[pi] = cached_of(out)
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
         for s in streams:
             s.abort()
-    return choices, sum(cached)
+    return choices, sum_cached(cached)
+
+
+class CachedTokens(int):
+    """Prompt tokens served from a cache (``usage.prompt_tokens_details.cached_tokens``), carrying
+    ``tier``: the part of them loaded from the KV offload tier."""
+
+    tier: int = 0
+
+
+def cached_of(out: Any) -> CachedTokens:
+    """The cached tokens of a request output, with their offload-tier part."""
+    c = CachedTokens(out.num_cached_tokens)
+    c.tier = getattr(out, "num_cached_tokens_tier", 0)
+    return c
+
+
+def sum_cached(values: list) -> CachedTokens:
+    total = CachedTokens(sum(values))
+    total.tier = sum(getattr(v, "tier", 0) for v in values)
+    return total
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    """OpenAI's usage object. ``prompt_tokens_details.cached_tokens`` counts prefix-cache hits in the pool
+    and in the KV offload tier; the extension field ``cached_tokens_tier`` (present when the tier served
+    some) is the tier's part."""
+    details = {"cached_tokens": int(cached)}
+    if getattr(cached, "tier", 0):
+        details["cached_tokens_tier"] = cached.tier
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 # ----------------------------------------------------------------------------- base
