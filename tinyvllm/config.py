@@ -69,7 +69,7 @@ def _check_dtype_name(dtype: "str | torch.dtype") -> str:
     return name
 
 
-def parse_size(value: int | float | str) -> int:
+def parse_size(value: int | float | str, name: str = "kv_cache_memory") -> int:
     """Parse a memory size: an int of bytes, or a string like ``'2GiB'``, ``'512MiB'``, ``'1.5GB'``.
 
     Returns:
@@ -83,13 +83,13 @@ def parse_size(value: int | float | str) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*", str(value), re.IGNORECASE)
         if not m:
-            raise ValueError(f"kv_cache_memory: cannot parse size {value!r} (use e.g. '2GiB', '512MiB' or bytes)")
+            raise ValueError(f"{name}: cannot parse size {value!r} (use e.g. '2GiB', '512MiB' or bytes)")
         num = float(m.group(1))
         unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
         mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
         size = int(num * mult)
     if size <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+        raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return size
 
 
@@ -186,12 +186,18 @@ class CacheConfig:
         num_kv_blocks: explicit number of blocks, overriding the memory budget
             (handy for tests that force preemption).
         enable_prefix_caching: reuse full blocks across requests by chained hash.
+        kv_offload_size: bytes (or ``'8GiB'``...) of the KV offload tier that keeps blocks the pool
+            evicts; 0 (the default) turns it off. Needs prefix caching.
+        kv_offload_path: a directory: the tier is a file there (``kv_offload.bin``, of
+            ``kv_offload_size`` bytes) instead of host RAM, and survives restarts.
     """
 
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_offload_size: int | str = 0
+    kv_offload_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -199,6 +205,13 @@ class CacheConfig:
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        size = self.kv_offload_size
+        size = 0 if size in (0, "0") else parse_size(size, "kv_offload_size")
+        object.__setattr__(self, "kv_offload_size", size)
+        if self.kv_offload_path is not None and size == 0:
+            raise ValueError("kv_offload_path needs kv_offload_size (the size of the file tier, e.g. 8GiB)")
+        if size and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_size needs prefix caching (the tier is keyed by the block hashes)")
 
 
 @dataclass(frozen=True)
@@ -293,6 +306,12 @@ class EngineArgs:
     kv_cache_memory: int | str = _option(CacheConfig.kv_cache_memory, "KV cache budget, e.g. 1GiB, 512MiB")
     num_kv_blocks: int | None = _option(CacheConfig.num_kv_blocks,
                                         "explicit number of KV blocks (overrides memory)")
+    kv_offload_size: int | str = _option(CacheConfig.kv_offload_size,
+                                         "KV offload tier for blocks the pool evicts, e.g. 8GiB (host RAM, or "
+                                         "the file under --kv-offload-path); 0: off")
+    kv_offload_path: str | None = _option(CacheConfig.kv_offload_path,
+                                          "directory of a disk KV offload tier of --kv-offload-size bytes "
+                                          "that survives restarts")
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "continuous: rebuild the batch every step; static: admit a new batch only "
                                      "when one finishes", choices=SCHEDULING_POLICIES)

@@ -79,6 +79,7 @@ class RequestOutput:
     kv_cost: dict | None = field(default=None, repr=False)
     prefix_cache: object | None = field(default=None, repr=False)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler

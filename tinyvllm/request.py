@@ -54,6 +54,9 @@ class Request:
             from the prefix cache, over all admissions (preemption recomputes).
         grammar: the request's grammar state (a ``tinyvllm.structured_output.RequestGrammar``) when it
             has ``structured_outputs``, else None; advanced by the scheduler with each sampled token.
+        cache_salt: folded into the first block's hash (vLLM's field): requests share
+            prefix-cached (and offloaded) blocks only with requests of the same salt.
+        num_cached_tokens_tier: the part of ``num_cached_tokens`` loaded from the KV offload tier.
     """
 
     request_id: str
@@ -76,6 +79,8 @@ class Request:
     num_prefill_computed: int = 0
     num_prefill_cached: int = 0
     grammar: Any = None
+    cache_salt: str | None = None
+    num_cached_tokens_tier: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

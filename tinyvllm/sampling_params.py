@@ -160,6 +160,9 @@ class SamplingParams:
             ``logit_bias``; -100 effectively bans a token, 100 forces it). Logprobs are those of the biased
             distribution. Token ids are checked against the vocabulary by the engine.
         structured_outputs: a grammar the output must follow (:class:`StructuredOutputsParams`), or None.
+        cache_salt: a non-empty string folded into the hash of the request's first KV block (vLLM's
+            request field), so that it shares prefix-cached and offloaded blocks only with requests
+            of the same salt (isolation between tenants); None shares with every unsalted request.
     """
 
     n: int = 1
@@ -183,6 +186,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -208,6 +212,8 @@ class SamplingParams:
             "include_stop_str_in_output", self.include_stop_str_in_output
         )
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):

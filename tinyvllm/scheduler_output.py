@@ -76,6 +76,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         grammar_bitmask: their next-token bitmask, int32 ``[len(structured_output_request_ids),
             ceil(vocab_size / 32)]`` (C order) as bytes; bit ``t % 32`` of word ``t // 32`` set = token
             ``t`` allowed (xgrammar's layout). Empty when no row is constrained.
+        kv_offload_stores: ``(block_id, slot, block hash as 32 hex digits)`` copies from the KV pool to
+            the offload tier, and
+        kv_offload_loads: ``(slot, block_id)`` copies back; the worker runs all stores, then all
+            loads, before the forward (:mod:`tinyvllm.core.kv_offload`).
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
@@ -88,6 +92,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished_req_ids: list[str] = []
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    kv_offload_stores: list[tuple[int, int, str]] = []
+    kv_offload_loads: list[tuple[int, int]] = []
 
     @property
     def is_empty(self) -> bool:

@@ -119,9 +119,11 @@ def compute_metrics(records: list[RequestRecord], duration: float) -> dict[str, 
 def per_turn_stats(records: list[RequestRecord]) -> list[dict[str, Any]]:
     """Agent workload: aggregates per turn index over all sessions."""
     turns: dict[int, list[RequestRecord]] = {}
+    by_session: dict[tuple[int | None, int], RequestRecord] = {}
     for r in records:
         if r.turn is not None:
             turns.setdefault(r.turn, []).append(r)
+            by_session[(r.session_id, r.turn)] = r
     out = []
     for t in sorted(turns):
         rs = turns[t]
@@ -129,6 +131,15 @@ def per_turn_stats(records: list[RequestRecord]) -> list[dict[str, Any]]:
         ttfts = np.asarray([r.ttft for r in ok if r.ttft is not None], dtype=float) * 1000.0
         prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
         cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        # Prefill tokens the server computed (prompt - cached), and the share of the session's history
+        # (the previous turn's prompt + answer) that came from a cache (pool or offload tier).
+        computed = [r.prompt_tokens - r.cached_tokens for r in ok
+                    if r.prompt_tokens is not None and r.cached_tokens is not None]
+        hist_frac = []
+        for r in ok:
+            prev = by_session.get((r.session_id, t - 1))
+            if t > 0 and prev is not None and prev.success and prev.prompt_tokens and r.cached_tokens is not None:
+                hist_frac.append(min(1.0, r.cached_tokens / (prev.prompt_tokens + prev.output_tokens)))
         out.append(
             {
                 "turn": t,
@@ -139,6 +150,9 @@ def per_turn_stats(records: list[RequestRecord]) -> list[dict[str, Any]]:
                 "p90_ttft_ms": float(np.percentile(ttfts, 90)) if ttfts.size else None,
                 "mean_prompt_tokens": float(np.mean(prompts)) if prompts else None,
                 "mean_cached_tokens": float(np.mean(cached)) if cached else None,
+                "mean_computed_tokens": float(np.mean(computed)) if computed else None,
+                "total_computed_tokens": int(np.sum(computed)) if computed else None,
+                "mean_history_cached_frac": float(np.mean(hist_frac)) if hist_frac else None,
                 "mean_e2el_ms": float(np.mean([r.e2e for r in ok]) * 1000.0) if ok else None,
             }
         )

@@ -65,11 +65,14 @@ def format_table(result: dict[str, Any]) -> str:
             row(f"{label} {key.upper()} (ms):", r.get(f"{stat}_{key}_ms"))
     if r.get("per_turn"):
         section("Agent turns")
-        lines.append(f"{'turn':>4} {'n':>4} {'mean TTFT ms':>13} {'prompt tok':>11} {'cached tok':>11}")
+        lines.append(f"{'turn':>4} {'n':>3} {'mean TTFT ms':>12} {'prompt tok':>10} {'cached tok':>10} "
+                     f"{'computed':>8} {'hist%':>5}")
         for t in r["per_turn"]:
+            frac = t.get("mean_history_cached_frac")
             lines.append(
-                f"{t['turn']:>4} {t['completed']:>4} {_fmt(t['mean_ttft_ms'], 1):>13} "
-                f"{_fmt(t['mean_prompt_tokens'], 0):>11} {_fmt(t['mean_cached_tokens'], 0):>11}"
+                f"{t['turn']:>4} {t['completed']:>3} {_fmt(t['mean_ttft_ms'], 1):>12} "
+                f"{_fmt(t['mean_prompt_tokens'], 0):>10} {_fmt(t['mean_cached_tokens'], 0):>10} "
+                f"{_fmt(t.get('mean_computed_tokens'), 0):>8} {_fmt(None if frac is None else 100 * frac, 0):>5}"
             )
     lines.append("=" * _W)
     return "\n".join(lines)

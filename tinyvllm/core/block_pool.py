@@ -123,12 +123,16 @@ class BlockPool:
         num_blocks: number of physical blocks (>= 1).  Block 0 is an ordinary block.
         enable_caching: when False, ``cache_full_block`` is a no-op and no hash
             is ever kept.
+        on_evict: called as ``on_evict(block_hash, block_id)`` when a block that still
+            carries a hash is handed out again (its content is about to be overwritten):
+            the KV offload tier's store-on-evict hook (:mod:`tinyvllm.core.kv_offload`).
 
     Raises:
         ValueError: ``num_blocks < 1``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int, int], object] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -137,8 +141,9 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # block hash -> the one block registered under it (owned or free).
         self.cached_block_hash_to_block: dict[int, KVCacheBlock] = {}
+        self.on_evict = on_evict
         # Called with each hash that leaves the cache (eviction or reset); prefix-break diagnostics.
-        self.on_evict: Callable[[int], None] | None = None
+        self.on_hash_dropped: Callable[[int], None] | None = None
         # Bumped whenever a block gains a second holder or a shared block loses one, so the per-request
         # KV share (tinyvllm.core.kv_diagnostics.kv_block_share) is only recomputed when it may change.
         self.share_version = 0
@@ -171,7 +176,9 @@ class BlockPool:
             if self.cached_block_hash_to_block.get(block.block_hash) is block:
                 del self.cached_block_hash_to_block[block.block_hash]
                 if self.on_evict is not None:
-                    self.on_evict(block.block_hash)
+                    self.on_evict(block.block_hash, block.block_id)
+                if self.on_hash_dropped is not None:
+                    self.on_hash_dropped(block.block_hash)
             block.block_hash = None
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -241,8 +248,8 @@ class BlockPool:
         if self.free_block_queue.num_free_blocks != self.num_blocks:
             return False
         for block in self.cached_block_hash_to_block.values():
-            if self.on_evict is not None:
-                self.on_evict(block.block_hash)
+            if self.on_hash_dropped is not None:
+                self.on_hash_dropped(block.block_hash)
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         return True

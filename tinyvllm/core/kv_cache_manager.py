@@ -39,6 +39,7 @@ from typing import Sequence
 import xxhash
 
 from tinyvllm.core.block_pool import BlockPool, KVCacheBlock
+from tinyvllm.core.kv_offload import OffloadIndex
 
 __all__ = ["hash_block_tokens", "KVCacheManager", "PrefixCacheStats"]
 
@@ -72,14 +73,17 @@ class PrefixCacheStats:
     """Prefix-cache counters over an interval (see :meth:`KVCacheManager.take_stats`).
 
     ``queries`` and ``hits`` are in tokens, like vLLM: tokens looked up and
-    tokens found cached.  ``requests`` counts ``get_computed_blocks`` calls.
-    ``reset`` is True if the prefix cache was reset during the interval.
+    tokens found cached (in the pool or the offload tier).  ``tier_hits``: the
+    part of ``hits`` found in the offload tier.  ``requests`` counts
+    ``get_computed_blocks`` calls.  ``reset`` is True if the prefix cache was
+    reset during the interval.
     """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
     reset: bool = False
+    tier_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -93,6 +97,9 @@ class KVCacheManager:
         num_blocks: physical blocks in the KV cache (>= 1).
         block_size: tokens per block (>= 1).
         enable_caching: enable automatic prefix caching.
+        offload: the KV offload tier's index (:mod:`tinyvllm.core.kv_offload`), or None. Blocks
+            the pool evicts are stored there, and prefix lookups continue into it; the copies of
+            a step are taken with :meth:`take_offload_ops`. Needs ``enable_caching``.
 
     Raises:
         ValueError: on non-positive sizes.
@@ -101,13 +108,20 @@ class KVCacheManager:
     ``prefix_cache_requests`` counts lookups.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 offload: OffloadIndex | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.offload = offload if enable_caching else None
+        self.block_pool = BlockPool(num_blocks, enable_caching,
+                                    on_evict=self.offload.prepare_store if self.offload is not None else None)
+        # request id -> hashes found in the offload tier by its last lookup (loaded on its first allocation).
+        self._tier_hits: dict[str, list[int]] = {}
+        # request id -> its cache_salt (folded into its first block's hash).
+        self.req_to_salt: dict[str, str] = {}
         # request id -> its block table (logical order).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> hashes of its full blocks computed so far (a prefix of the chain).
@@ -126,14 +140,18 @@ class KVCacheManager:
         hashes = self.req_to_block_hashes.setdefault(request_id, [])
         bs = self.block_size
         parent = hashes[-1] if hashes else None
+        salt = self.req_to_salt.get(request_id)
         for i in range(len(hashes), num_full_blocks):
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            # cache_salt (vLLM's name) enters the first block only; the chain carries it to the rest.
+            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs],
+                                       ("cache_salt", salt) if i == 0 and salt is not None else None)
             hashes.append(parent)
         return hashes
 
     # -- scheduling API ------------------------------------------------------
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            cache_salt: str | None = None) -> tuple[list[KVCacheBlock], int]:
         """Prefix-cache lookup for a request that holds no blocks yet.
 
         Args:
@@ -141,17 +159,26 @@ class KVCacheManager:
                 call :meth:`free` when it finishes even if it never got blocks).
             token_ids: all currently known tokens (prompt, plus output so far
                 when a preempted request resumes).
+            cache_salt: the request's ``cache_salt``: folded into its first block's
+                hash, so requests with different salts never share a block.
 
         Returns:
             ``(blocks, num_tokens)``: the longest run of leading full blocks found
-            in the cache and the tokens they cover (``len(blocks) * block_size``).
+            in the pool, and the tokens covered by them *and* by the blocks that
+            continue the run in the offload tier (``num_tokens`` is a multiple of
+            ``block_size``; :meth:`num_tier_hit_tokens` gives the tier's part).
             At least one token is always left uncached, since the last token must
             be computed to get logits.  No references are taken: pass the blocks
-            to :meth:`allocate_slots` before any other allocation.  Returns
-            ``([], 0)`` when caching is disabled.
+            to :meth:`allocate_slots` before any other allocation (it allocates
+            the tier hits' blocks and schedules their loads).  Returns ``([], 0)``
+            when caching is disabled.
         """
         if not self.enable_caching:
             return [], 0
+        if cache_salt is not None:
+            if self.req_to_salt.get(request_id) != cache_salt:
+                self.req_to_block_hashes.pop(request_id, None)
+            self.req_to_salt[request_id] = cache_salt
         bs = self.block_size
         max_hit_blocks = max(0, (len(token_ids) - 1) // bs)  # leave >= 1 token to compute
         hashes = self._block_hashes(request_id, token_ids, len(token_ids) // bs)
@@ -161,14 +188,34 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
-        num_hit_tokens = len(hit) * bs
+        tier: list[int] = []
+        if self.offload is not None:
+            for h in hashes[len(hit):max_hit_blocks]:
+                if h not in self.offload:
+                    break
+                self.offload.pin(h)  # this step's stores must not reuse its slot before the load
+                tier.append(h)
+        self._tier_hits[request_id] = tier
+        num_hit_tokens = (len(hit) + len(tier)) * bs
         self.prefix_cache_requests += 1
         self.prefix_cache_queries += len(token_ids)
         self.prefix_cache_hits += num_hit_tokens
         self._interval.requests += 1
         self._interval.queries += len(token_ids)
         self._interval.hits += num_hit_tokens
+        self._interval.tier_hits += len(tier) * bs
         return hit, num_hit_tokens
+
+    def num_tier_hit_tokens(self, request_id: str) -> int:
+        """Tokens of the request's last lookup found in the offload tier (not yet allocated)."""
+        return len(self._tier_hits.get(request_id, ())) * self.block_size
+
+    def take_offload_ops(self) -> tuple[list[tuple[int, int, str]], list[tuple[int, int]]]:
+        """The offload copies prepared since the last call: ``(stores [(block_id, slot, hash hex)],
+        loads [(slot, block_id)])`` (both empty without a tier). See :meth:`OffloadIndex.take_ops`."""
+        if self.offload is None:
+            return [], []
+        return self.offload.take_ops()
 
     def allocate_slots(
         self,
@@ -188,7 +235,9 @@ class KVCacheManager:
             num_new_tokens: tokens to compute in this step (>= 0).
             new_computed_blocks: prefix-cache hits from :meth:`get_computed_blocks`,
                 only on the request's first allocation; they are referenced and
-                become the head of its block table.
+                become the head of its block table. The offload-tier hits of that
+                lookup follow them: fresh blocks are allocated for them, registered
+                under their hashes, and loaded from the tier before the step's forward.
 
         Returns:
             The newly allocated blocks (possibly empty), or None if the pool has
@@ -209,6 +258,9 @@ class KVCacheManager:
         bs = self.block_size
         blocks = self.req_to_blocks.get(request_id)
         hit = new_computed_blocks or []
+        tier = self._tier_hits.get(request_id, []) if not blocks else []
+        if tier and num_computed_tokens < (len(hit) + len(tier)) * bs:
+            tier = []  # the caller does not count them as computed: compute them instead
         if hit:
             if blocks:
                 raise ValueError(f"request {request_id!r} already holds blocks; "
@@ -236,6 +288,12 @@ class KVCacheManager:
             self.num_cached_blocks[request_id] = len(hit)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
+        if tier:
+            self._tier_hits.pop(request_id, None)
+            for block, h in zip(new_blocks, tier):
+                self.offload.prepare_load(h, block.block_id)
+                self.block_pool.cache_full_block(block, h)
+            self.num_cached_blocks[request_id] = len(hit) + len(tier)
 
         if self.enable_caching:
             num_full = min(total_tokens, len(token_ids)) // bs
@@ -256,7 +314,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         self.req_to_block_hashes.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
+        self._tier_hits.pop(request_id, None)
+        self.req_to_salt.pop(request_id, None)
         if blocks:
+            if self.offload is not None and self.offload.store_on_free:
+                for block in blocks:  # head first: a tier too small for all keeps the shared prefix
+                    if block.block_hash is not None:
+                        self.offload.prepare_store(block.block_hash, block.block_id)
             self.block_pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
@@ -264,6 +328,8 @@ class KVCacheManager:
         ok = self.block_pool.reset_prefix_cache()
         if ok:
             self._interval.reset = True
+            if self.offload is not None:
+                self.offload.clear()
         return ok
 
     # -- queries -------------------------------------------------------------
@@ -349,3 +415,5 @@ class KVCacheManager:
                 h = blocks[i].block_hash
                 if h is not None and (i >= len(hashes) or hashes[i] != h):
                     fail(f"request {rid!r} block {i}: cached under a hash not its own")
+        if self.offload is not None:
+            self.offload.check_invariants()

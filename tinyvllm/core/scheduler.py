@@ -22,6 +22,7 @@ import msgspec
 from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.kv_diagnostics import PrefixCacheDiagnostics, kv_block_share
+from tinyvllm.core.kv_offload import OffloadIndex
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.metrics.kv_stats import DISABLED, PrefixCacheReport
 from tinyvllm.request import Request, RequestStatus
@@ -41,12 +42,14 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_model_len: int, offload: OffloadIndex | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 offload=offload)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -66,7 +69,7 @@ class Scheduler:
         self.num_preempted_waiting = 0
         self.prefix_diag = PrefixCacheDiagnostics(cache_config.block_size)
         if cache_config.enable_prefix_caching:
-            self.kv.block_pool.on_evict = self.prefix_diag.on_evict
+            self.kv.block_pool.on_hash_dropped = self.prefix_diag.on_evict
 
     # ------------------------------------------------------------------ queue ops
     def add_request(self, request: Request) -> None:
@@ -124,6 +127,11 @@ class Scheduler:
                                      kv_blocks_used=self.kv.num_owned_blocks(),
                                      num_preempted=self.num_preempted_waiting,
                                      prefix_cache_miss_reasons=dict(self.stats.prefix_cache_miss_reasons))
+        off = self.kv.offload
+        if off is not None:
+            st = msgspec.structs.replace(st, kv_offload_blocks_used=len(off), kv_offload_blocks_total=off.num_slots,
+                                         kv_offload_stored_blocks=off.stats.stored,
+                                         kv_offload_loaded_blocks=off.stats.loaded)
         return st
 
     # ------------------------------------------------------------------ KV cost, prefix diagnostics
@@ -266,22 +274,27 @@ class Scheduler:
             if req.status == RequestStatus.WAITING_FOR_FSM:
                 compiling.append(self.waiting.popleft())
                 continue
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             if req.sampling_params.prompt_logprobs is not None:  # needs the logits of every prompt position
-                computed_blocks, num_cached = [], 0
+                computed_blocks, num_cached = [], 0  # (no lookup: it would pin and plan tier loads)
+            else:
+                computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                                          req.cache_salt)
             num_new = req.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            num_tier = self.kv.num_tier_hit_tokens(req.request_id)
             blocks = self.kv.allocate_slots(req.request_id, req.all_token_ids, num_cached, num_new,
                                             computed_blocks)
             if blocks is None:
                 break
+            self.stats.kv_offload_hit_tokens += num_tier
             self.waiting.popleft()
             if static:
                 self._static_to_admit -= 1
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.num_cached_tokens_tier = num_tier
                 self.stats.cached_prompt_tokens += num_cached
                 self._diagnose_prefix(req, num_cached)
             elif req.status == RequestStatus.PREEMPTED:
@@ -294,6 +307,7 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
+        out.kv_offload_stores, out.kv_offload_loads = self.kv.take_offload_ops()
         pc = self.kv.take_stats()
         self.stats.prefix_cache_queries += pc.queries
         self.stats.prefix_cache_hits += pc.hits

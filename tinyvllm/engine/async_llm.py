@@ -98,6 +98,7 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.prefix_cache = a.prefix_cache if b.prefix_cache is None else b.prefix_cache
     if b.prompt_logprobs is not None:
         a.prompt_logprobs = b.prompt_logprobs
+    a.num_cached_tokens_tier = b.num_cached_tokens_tier
     return a
 
 

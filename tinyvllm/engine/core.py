@@ -24,6 +24,7 @@ import torch
 
 from tinyvllm.config import EngineConfig, resolve_device
 from tinyvllm.core.kv_diagnostics import block_state_map
+from tinyvllm.core.kv_offload import OffloadIndex
 from tinyvllm.core.scheduler import Scheduler
 from tinyvllm.engine.input_processor import check_prompt
 from tinyvllm.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -31,6 +32,7 @@ from tinyvllm.executor import get_executor_class
 from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
 from tinyvllm.request import Request, RequestStatus
+from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.structured_output import StructuredOutputManager, XgrammarBackend
 
 # The KV block map (one byte per block) rides on a step's IterationStats at most this often (seconds).
@@ -78,7 +80,18 @@ class EngineCore:
             raise ValueError(f"with chunked prefill disabled, max_num_batched_tokens ({sc.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")
         self.model_executor.initialize_kv_cache(num_blocks, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len)
+        offload = None
+        if cc.kv_offload_size:
+            num_slots = cc.kv_offload_size // bytes_per_block
+            if num_slots < 1:
+                raise ValueError(f"kv_offload_size {cc.kv_offload_size} B holds no KV block "
+                                 f"({bytes_per_block} B each)")
+            entries = self.model_executor.initialize_kv_offload(num_slots, cc.kv_offload_path)
+            offload = OffloadIndex(num_slots, entries, store_on_free=cc.kv_offload_path is not None)
+            logger.info("KV offload tier: %d blocks (%.2f GiB) in %s%s", num_slots,
+                        num_slots * bytes_per_block / 2**30, cc.kv_offload_path or "host memory",
+                        f", {len(entries)} blocks from a previous run" if entries else "")
+        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload)
         # Grammars compile in a background thread; the tokenizer is loaded there at the first
         # constrained request (tests with a raw vocabulary replace the manager).
         model_dir, vocab_size = self.resolved.model_dir, info.vocab_size
@@ -125,6 +138,7 @@ class EngineCore:
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), sampling_params=sp,
             eos_token_ids=frozenset(req.eos_token_ids), max_tokens=max_tokens,
             arrival_time=req.arrival_time or time.monotonic(), prefix_cache_debug=req.prefix_cache_debug,
+            cache_salt=sp.cache_salt,
         )
         if sp.structured_outputs is not None:
             request.grammar = self.structured_output_manager.grammar_for(sp.structured_outputs, req.eos_token_ids)
@@ -133,6 +147,15 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        self._flush_kv_offload()
+
+    def _flush_kv_offload(self) -> None:
+        """Run the offload copies prepared outside ``schedule()`` (a disk tier's stores of the requests
+        freed by this step's finishes or by an abort) now, in a schedule that carries only them, so
+        that they reach the tier even if no step follows."""
+        stores, loads = self.scheduler.kv.take_offload_ops()
+        if stores or loads:
+            self.model_executor.execute_model(SchedulerOutput(kv_offload_stores=stores, kv_offload_loads=loads))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -169,7 +192,9 @@ class EngineCore:
                     num_prefill_cached=req.num_prefill_cached,
                     prefix_cache=req.prefix_cache_report if req.num_output_tokens == 1 else None,
                     prompt_logprobs=result.prompt_logprobs.get(req.request_id),
+                    num_cached_tokens_tier=req.num_cached_tokens_tier,
                 ))
+        self._flush_kv_offload()
         t1 = time.perf_counter()
         block_map = b""
         if t1 - self._last_block_map >= BLOCK_MAP_INTERVAL_S or not self.scheduler.has_unfinished_requests():
@@ -200,7 +225,12 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         """Typed snapshot: queue and KV gauges, cumulative token / preemption / prefix-cache counters."""
-        return self.scheduler.make_stats()
+        st = self.scheduler.make_stats()
+        tier = getattr(self.runner, "kv_offload", None) if hasattr(self.model_executor, "worker") else None
+        if tier is not None:  # the worker's copy timer (uniprocess executor)
+            st.kv_offload_block_bytes = tier.slot_bytes
+            st.kv_offload_load_seconds = tier.load_seconds
+        return st
 
     def stats(self) -> dict:
         """:meth:`make_stats` as a dict: ``num_steps``, ``prefill_tokens``, ``decode_tokens``,

@@ -91,6 +91,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prefill_cached: int = 0
     prefix_cache: PrefixCacheReport | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..P-1, with the first output token
+    num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -119,6 +119,7 @@ class _RequestState:
     prefix_cache: Any = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    num_cached_tokens_tier: int = 0
 
     @property
     def finished(self) -> bool:
@@ -200,6 +201,7 @@ class OutputProcessor:
             s.kv = (o.kv_block_seconds, o.peak_kv_blocks, o.num_prefill_computed, o.num_prefill_cached)
             if o.prefix_cache is not None and (st.prefix_cache is None or s.index == 0):
                 st.prefix_cache = o.prefix_cache
+            st.num_cached_tokens_tier = max(st.num_cached_tokens_tier, o.num_cached_tokens_tier)
             s.token_ids.extend(o.new_token_ids)
             if o.prompt_logprobs is not None and st.prompt_logprobs is None:
                 st.prompt_logprobs = [None] + [self._logprob_entry(lp) for lp in o.prompt_logprobs]
@@ -260,4 +262,5 @@ class OutputProcessor:
             prompt_lps = None if st.prompt_logprobs_sent else prompt_lps
             st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
-                             st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache, prompt_lps)
+                             st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache, prompt_lps,
+                             st.num_cached_tokens_tier)

@@ -46,6 +46,11 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate ``num_blocks`` KV blocks on every worker."""
 
+    def initialize_kv_offload(self, num_slots: int, path: str | None = None) -> list[tuple[int, int]]:
+        """Create the KV offload tier on every worker; return the ``(slot, block hash)`` pairs a disk
+        tier kept from a previous run (see :meth:`tinyvllm.worker.worker.Worker.initialize_kv_offload`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV offload tier")
+
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers and return the sampled tokens."""

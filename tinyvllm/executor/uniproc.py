@@ -28,5 +28,8 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.worker.initialize_kv_cache(num_blocks, max_model_len)
 
+    def initialize_kv_offload(self, num_slots: int, path: str | None = None) -> list[tuple[int, int]]:
+        return self.worker.initialize_kv_offload(num_slots, path)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)

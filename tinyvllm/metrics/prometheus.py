@@ -98,6 +98,25 @@ class ServerMetrics:
         self._users: set[str] = set()
         for reason in MISS_REASONS:
             self._miss_reason.labels(model_name, reason)
+        # KV offload tier (vLLM has no fixed names for these; ours follow its kv_cache_* ones).
+        self.offload_stored = Counter("tinyvllm:kv_offload_stored_blocks", "KV blocks copied pool -> offload tier.",
+                                      lab, registry=r).labels(model_name)
+        self.offload_loaded = Counter("tinyvllm:kv_offload_loaded_blocks", "KV blocks copied offload tier -> pool.",
+                                      lab, registry=r).labels(model_name)
+        self.offload_stored_bytes = Counter("tinyvllm:kv_offload_stored_bytes", "Bytes copied to the offload tier.",
+                                            lab, registry=r).labels(model_name)
+        self.offload_loaded_bytes = Counter("tinyvllm:kv_offload_loaded_bytes", "Bytes copied from the offload tier.",
+                                            lab, registry=r).labels(model_name)
+        self.offload_hits = Counter("tinyvllm:kv_offload_hit_tokens", "Prompt tokens served from the offload tier "
+                                    "(part of prefix_cache_hits).", lab, registry=r).labels(model_name)
+        self.offload_load_seconds = Counter("tinyvllm:kv_offload_load_seconds", "Time copying blocks back from the "
+                                            "offload tier (seconds).", lab, registry=r).labels(model_name)
+        self.offload_usage = Gauge("tinyvllm:kv_offload_usage_perc", "Fraction of offload-tier slots holding a block "
+                                   "(0-1).", lab, registry=r).labels(model_name)
+        self.offload_used = Gauge("tinyvllm:kv_offload_used_blocks", "Offload-tier slots holding a block.", lab,
+                                  registry=r).labels(model_name)
+        self.offload_total = Gauge("tinyvllm:kv_offload_total_blocks", "Offload-tier slots.", lab,
+                                   registry=r).labels(model_name)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._requests: dict[str, _ReqState] = {}
@@ -162,9 +181,22 @@ class ServerMetrics:
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_total.set(stats.kv_blocks_total)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.offload_used.set(stats.kv_offload_blocks_used)
+        self.offload_total.set(stats.kv_offload_blocks_total)
+        self.offload_usage.set(stats.kv_offload_blocks_used / stats.kv_offload_blocks_total
+                               if stats.kv_offload_blocks_total else 0.0)
+        bb = stats.kv_offload_block_bytes
         for value, key, counter in ((stats.num_preemptions, "num_preemptions", self.preemptions),
                                     (stats.prefix_cache_queries, "prefix_cache_queries", self.prefix_queries),
-                                    (stats.prefix_cache_hits, "prefix_cache_hits", self.prefix_hits)):
+                                    (stats.prefix_cache_hits, "prefix_cache_hits", self.prefix_hits),
+                                    (stats.kv_offload_stored_blocks, "kv_offload_stored", self.offload_stored),
+                                    (stats.kv_offload_loaded_blocks, "kv_offload_loaded", self.offload_loaded),
+                                    (stats.kv_offload_stored_blocks * bb, "kv_offload_stored_b",
+                                     self.offload_stored_bytes),
+                                    (stats.kv_offload_loaded_blocks * bb, "kv_offload_loaded_b",
+                                     self.offload_loaded_bytes),
+                                    (stats.kv_offload_hit_tokens, "kv_offload_hits", self.offload_hits),
+                                    (stats.kv_offload_load_seconds, "kv_offload_load_s", self.offload_load_seconds)):
             delta = value - self._last_cumulative.get(key, 0)
             if delta > 0:
                 counter.inc(delta)

@@ -29,6 +29,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         kv_block_seconds: KV blocks owned x seconds (the sum of every request's ``kv_block_seconds``).
         prefix_cache_miss_reasons: prompts by prefix-cache miss reason at first admission
             (:mod:`tinyvllm.metrics.kv_stats`).
+    KV offload tier (all zero without one):
+        kv_offload_blocks_used / kv_offload_blocks_total: tier slots holding a block / all slots (gauges).
+        kv_offload_stored_blocks / kv_offload_loaded_blocks: blocks copied pool -> tier / tier -> pool.
+        kv_offload_hit_tokens: prompt tokens served from the tier (part of ``prefix_cache_hits``).
+        kv_offload_block_bytes: bytes of one block (all layers, K and V): blocks x this = bytes copied.
+        kv_offload_load_seconds: time spent copying blocks back from the tier (seconds, float).
     """
 
     num_running: int = 0
@@ -46,6 +52,13 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preempted: int = 0
     kv_block_seconds: float = 0.0
     prefix_cache_miss_reasons: dict[str, int] = {}
+    kv_offload_blocks_used: int = 0
+    kv_offload_blocks_total: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_hit_tokens: int = 0
+    kv_offload_block_bytes: int = 0
+    kv_offload_load_seconds: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -95,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.graph_runner: DecodeGraphRunner | None = None
+        self.kv_offload = None  # a worker.kv_offload tier (HostKVTier / DiskKVTier) when one is configured
         if self.device.type == "cuda" and not enforce_eager:
             runner = DecodeGraphRunner(model, self.kv_caches, block_size, max_num_seqs,
                                        max_model_len or cfg.max_position_embeddings, self.device)
@@ -133,6 +134,10 @@ class ModelRunner:
         Raises:
             KeyError: the schedule names a request the runner was never sent.
         """
+        if self.kv_offload is not None and (sched.kv_offload_stores or sched.kv_offload_loads):
+            # Before the forward: stores first (their blocks are overwritten by this step), then loads.
+            self.kv_offload.store(self.kv_caches, sched.kv_offload_stores)
+            self.kv_offload.load(self.kv_caches, sched.kv_offload_loads)
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput()

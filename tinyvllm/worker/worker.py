@@ -75,6 +75,7 @@ class Worker:
             raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {device}")
         self.model = model
         self.model_runner: ModelRunner | None = None
+        self.model_dir = Path(model_dir)
 
     def model_info(self) -> ModelInfo:
         cfg = self.model.config
@@ -87,6 +88,33 @@ class Worker:
         self.model_runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
                                         max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len,
                                         enforce_eager=self.config.model_config.enforce_eager)
+
+    def initialize_kv_offload(self, num_slots: int, path: str | None = None) -> list[tuple[int, int]]:
+        """Create the KV offload tier (``num_slots`` blocks; in host RAM, or in a file under ``path``) and
+        return the ``(slot, block hash)`` pairs a disk tier found from a previous run (oldest first).
+
+        Raises:
+            RuntimeError: before :meth:`initialize_kv_cache`.
+            KVTierError: ``path`` unwritable, or too little disk space.
+        """
+        from tinyvllm.worker.kv_offload import DiskKVTier, HostKVTier, make_fingerprint
+
+        runner = self.model_runner
+        if runner is None:
+            raise RuntimeError("initialize_kv_cache must run before initialize_kv_offload")
+        cfg = self.model.config
+        kv0 = runner.kv_caches[0]
+        slot_shape = (len(runner.kv_caches), 2, *kv0.shape[2:])
+        if path is None:
+            tier = HostKVTier(num_slots, slot_shape, self.dtype, pin_memory=self.device.type == "cuda")
+        else:
+            mc = self.config.model_config
+            extra = {"load_format": mc.load_format, "seed": mc.seed} if mc.load_format == "dummy" else {}
+            fp = make_fingerprint(self.model_dir, self.dtype, runner.block_size, cfg.num_hidden_layers,
+                                  int(kv0.shape[3]), int(kv0.shape[4]), extra)
+            tier = DiskKVTier(path, num_slots, slot_shape, self.dtype, fp)
+        runner.kv_offload = tier
+        return tier.entries()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step.

@@ -135,6 +135,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     # vLLM's extension: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": EBNF}
     structured_outputs: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's field: isolates this request's prefix-cache / offload blocks
 
     def _check_unsupported(self) -> None:
         for name, reason in UNSUPPORTED_FIELDS.items():
@@ -180,7 +181,7 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
-            logit_bias=self.logit_bias, structured_outputs=structured, **kw,
+            logit_bias=self.logit_bias, structured_outputs=structured, cache_salt=self.cache_salt, **kw,
         )
 
     @property

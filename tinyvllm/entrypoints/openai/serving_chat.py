@@ -18,6 +18,7 @@ from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE
                                                         collect, error_body, exception_response, json_encoder,
                                                         run_blocking, run_until_disconnect, sse, status_of,
                                                         usage_info)
+from tinyvllm.entrypoints.openai.serving_engine import cached_of
 from tinyvllm.entrypoints.openai.tool_calls import (HermesToolParser, StreamingToolCallParser, check_tool_choice,
                                                     check_tools, tool_structural_tag)
 from tinyvllm.outputs import Logprob
@@ -123,7 +124,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
             async for out in stream:
-                cached = out.num_cached_tokens
+                cached = cached_of(out)
                 tracker.observe(0, out)
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)

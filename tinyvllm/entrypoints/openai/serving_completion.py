@@ -20,6 +20,7 @@ from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE
                                                         iterate_streams, json_encoder, run_blocking,
                                                         run_until_disconnect, sse, status_of, stream_failure,
                                                         usage_info)
+from tinyvllm.entrypoints.openai.serving_engine import cached_of, sum_cached
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -158,7 +159,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async with contextlib.aclosing(iterate_streams(streams)) as it:
                 async for pi, out in it:
-                    cached[pi] = out.num_cached_tokens
+                    cached[pi] = cached_of(out)
                     tracker.observe(pi, out)
                     if out.prompt_logprobs is not None:
                         prompt_lps[pi] = out.prompt_logprobs
@@ -192,7 +193,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(chunk)
             if include_usage:
                 usage = tracker.extend(usage_info(sum(len(ids) for _, ids in prompts),
-                                                  sum(len(ch.token_ids) for ch in choices.values()), sum(cached)))
+                                                  sum(len(ch.token_ids) for ch in choices.values()),
+                                                  sum_cached(cached)))
                 yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage})
             yield SSE_DONE

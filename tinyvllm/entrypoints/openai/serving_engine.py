@@ -39,7 +39,7 @@ logger = logging.getLogger("tinyvllm.serving")
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "BadRequestError",
                 422: "BadRequestError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 _CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
-_SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+_SAMPLING_FIELDS = {"cache_salt", "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "max_tokens", "min_tokens", "seed", "stop", "stop_token_ids", "ignore_eos",
                     "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
                     "include_stop_str_in_output", "logit_bias", "best_of", "suffix", "stream_options",
@@ -204,7 +204,7 @@ async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | No
     try:
         async with contextlib.aclosing(iterate_streams(streams)) as it:
             async for pi, out in it:
-                cached[pi] = out.num_cached_tokens
+                cached[pi] = cached_of(out)
                 if usage is not None:
                     usage.observe(pi, out)
                 if prompt_logprobs is not None and out.prompt_logprobs is not None:
@@ -214,13 +214,38 @@ async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | No
     finally:
         for s in streams:
             s.abort()
-    return choices, sum(cached)
+    return choices, sum_cached(cached)
+
+
+class CachedTokens(int):
+    """Prompt tokens served from a cache (``usage.prompt_tokens_details.cached_tokens``), carrying
+    ``tier``: the part of them loaded from the KV offload tier."""
+
+    tier: int = 0
+
+
+def cached_of(out: Any) -> CachedTokens:
+    """The cached tokens of a request output, with their offload-tier part."""
+    c = CachedTokens(out.num_cached_tokens)
+    c.tier = getattr(out, "num_cached_tokens_tier", 0)
+    return c
+
+
+def sum_cached(values: list) -> CachedTokens:
+    total = CachedTokens(sum(values))
+    total.tier = sum(getattr(v, "tier", 0) for v in values)
+    return total
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    """OpenAI's usage object. ``prompt_tokens_details.cached_tokens`` counts prefix-cache hits in the pool
+    and in the KV offload tier; the extension field ``cached_tokens_tier`` (present when the tier served
+    some) is the tier's part."""
+    details = {"cached_tokens": int(cached)}
+    if getattr(cached, "tier", 0):
+        details["cached_tokens_tier"] = cached.tier
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": details}
 
 
 # ----------------------------------------------------------------------------- off the event loop
