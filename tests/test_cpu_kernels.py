@@ -28,6 +28,21 @@ def path(request):
     KERN.set_vector_kernels(True)
 
 
+def tiled(path, dtype) -> bool:
+    """Whether the tiled kernel computes this case (bf16 cache, AVX512_BF16, the vector path)."""
+    return path == "vector" and dtype == torch.bfloat16 and KERN.has_tiled_attention()
+
+
+def tolerance(path, dtype, value_cache) -> dict:
+    """The tiled kernel rounds the softmax probabilities to bf16 (half an ulp: 2^-8 relative) before
+    P V, so its output is off by at most 2^-8 max|V| (the normaliser sums the unrounded weights);
+    the row kernels keep float32 probabilities."""
+    if tiled(path, dtype):
+        v = value_cache.float()
+        return dict(rtol=0.0, atol=2 ** -8 * float(v[torch.isfinite(v)].abs().max()))
+    return dict(rtol=2e-5, atol=2e-5)
+
+
 def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0):
     """seqs: list of (context_before, new_tokens). Returns kernel inputs and a float64 reference."""
     g = torch.Generator().manual_seed(seed)
@@ -76,7 +91,7 @@ def test_paged_attention_matches_reference(path, dtype, hq, hk, d, block_size):
     out = KERN.paged_attention(*args, d ** -0.5)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.double(), ref, **tolerance(path, dtype, args[2]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
