@@ -111,6 +111,60 @@ def test_paged_attention_rows_are_batch_invariant(path, dtype):
     assert torch.equal(sub, full[part])
 
 
+# Long contexts (several 64-position KV tiles of the tiled kernel), prefill chunks longer than its
+# 32-row work items, contexts ending at and just past a tile edge.
+LONG = [(300, 1), (130, 70), (0, 150), (63, 2), (64, 1), (191, 40)]
+
+
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 96)])
+def test_long_context_rows_are_invariant_and_match_reference(path, hq, hk, d):
+    """Every row gives the same bits in the whole ragged batch, in its sequence's chunk alone, in
+    pieces of the chunk cut inside KV tiles and row blocks, and alone as a decode row; and all
+    agree with the float64 reference."""
+    dtype = torch.bfloat16
+    (q, kc, vc, bt, seq, pos), ref = make_batch(LONG, hq, hk, d, 16, dtype, seed=2)
+    full = KERN.paged_attention(q, kc, vc, bt, seq, pos, d ** -0.5)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(full.double(), ref, **tolerance(path, dtype, vc))
+
+    def alone(rows, s):
+        return KERN.paged_attention(q[rows], kc, vc, bt[s:s + 1], torch.zeros(len(rows), dtype=torch.int64),
+                                    pos[rows], d ** -0.5)
+
+    for s in range(len(LONG)):
+        rows = (seq == s).nonzero().flatten()
+        assert torch.equal(alone(rows, s), full[rows]), f"sequence {s}'s chunk alone differs"
+        cuts = [0] + [c for c in (1, 13, 45, 77, 110) if c < len(rows)] + [len(rows)]
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(alone(rows[a:b], s), full[rows[a:b]]), f"sequence {s} rows {a}:{b} differ"
+        for t in rows[::9].tolist() + [rows[-1].item()]:
+            assert torch.equal(alone(torch.tensor([t]), s)[0], full[t]), f"row {t} as a decode row differs"
+
+
+def test_row_kernel_path_without_bf16_dot_products_is_invariant_too():
+    """The AVX-512 row kernel (what a bf16 cache gets on a CPU without AVX512_BF16) stays correct and
+    batch invariant."""
+    if not KERN.has_tiled_attention():
+        pytest.skip("the tiled kernel is not built: the row kernel is what the other tests check")
+    KERN.set_tiled_attention(False)
+    try:
+        hq, hk, d = 9, 3, 64
+        (q, kc, vc, bt, seq, pos), ref = make_batch(LONG[:3], hq, hk, d, 16, torch.bfloat16, seed=3)
+        full = KERN.paged_attention(q, kc, vc, bt, seq, pos, d ** -0.5)
+        torch.testing.assert_close(full.double(), ref, rtol=2e-5, atol=2e-5)
+        for t in (0, 5, 100, q.shape[0] - 1):
+            one = KERN.paged_attention(q[t:t + 1], kc, vc, bt[seq[t]:seq[t] + 1], torch.zeros(1, dtype=torch.int64),
+                                       pos[t:t + 1], d ** -0.5)
+            assert torch.equal(one[0], full[t])
+    finally:
+        KERN.set_tiled_attention(True)
+
+
+def test_bf16_dot_ceiling_is_measured_where_the_tiled_kernel_is_built():
+    flops = KERN.bf16_dot_ceiling(200)
+    assert (flops > 0) == KERN.has_tiled_attention()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_reference(path, dtype):
     g = torch.Generator().manual_seed(0)

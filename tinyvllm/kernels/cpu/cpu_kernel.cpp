@@ -18,6 +18,7 @@
 #include <cmath>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <cstring>
 #include <limits>
@@ -654,6 +655,15 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
             kr[j] = vr[j] = zero_row;
           }
         }
+        if (g_prefetch) {  // the next tile's rows (the block table scatters them: no hardware prefetch)
+          for (int64_t j = j0 + kKvTile; j < std::min<int64_t>(j0 + 2 * kKvTile, ctx_max); ++j) {
+            const int64_t e = ((bt[j / bs] * bs + j % bs) * Hk + w.hk) * D;
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(kp + e) + b, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vp + e) + b, _MM_HINT_T0);
+            }
+          }
+        }
         tile->pack(kr, vr);
         // Rows whose position is before this tile are done with it; the others take it.
         for (int64_t p = std::max<int64_t>(0, j0 - pos0) * G; p < pairs; p += NG)
@@ -667,6 +677,41 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
       }
     }
   });
+}
+
+// The bf16 dot-product ceiling of tile_pairs' inner loop (the benchmark's reference): per dim pair,
+// 4 K vectors loaded from L1 and 6 broadcast queries, 24 independent vdpbf16ps chains, on every
+// thread. Returns the float32 multiply-adds * 2 per second of all threads.
+double bf16_dot_ceiling_impl(int64_t iters) {
+  const int64_t nthreads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[32][kKvTile];
+    alignas(64) uint32_t q[6][32];
+    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
+    for (int i = 0; i < 6 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+    for (int64_t rep = b; rep < e; ++rep) {
+      __m512 s[6][4];
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) s[n][c] = _mm512_setzero_ps();
+      for (int64_t it = 0; it < iters; ++it)
+        for (int dp = 0; dp < 32; ++dp) {
+          __m512bh kv[4];
+          for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_load_si512(&k[dp][c * 16]);
+          for (int n = 0; n < 6; ++n) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[n][dp]));
+            for (int c = 0; c < 4; ++c) s[n][c] = _mm512_dpbf16_ps(s[n][c], qb, kv[c]);
+          }
+        }
+      __m512 t = _mm512_setzero_ps();
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) t = _mm512_add_ps(t, s[n][c]);
+      sink += static_cast<int64_t>(_mm512_reduce_add_ps(t) != 0.0f);
+    }
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 32 * 24 * 16 * 2 * 2 / sec + 0.0 * sink.load();
 }
 #endif  // __AVX512BF16__
 #endif  // TINYVLLM_AVX512
@@ -944,6 +989,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether the tiled bf16 attention kernel (AVX512_BF16) was compiled in");
+  m.def("bf16_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
+    return bf16_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of the tiled attention's bf16 dot-product loop on all threads (0 without AVX512_BF16)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
