@@ -44,3 +44,5 @@ def test_run_prefill_on_a_tiny_model(tmp_path):
                                                     cfg.num_hidden_layers)
     assert 0 < res["attention_s"] < res["step_s"] * 1.01 and res["attention_gflops"] > 0
     assert (res["ceiling_gflops"] > 0) == cpu_kernels().has_tiled_attention()
+    assert res["kernel"] == ("amx" if cpu_kernels().has_amx_attention() else
+                             "avx512-bf16" if cpu_kernels().has_tiled_attention() else "row")

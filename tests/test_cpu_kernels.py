@@ -18,19 +18,24 @@ from tinyvllm.kernels.cpu import cpu_kernels
 KERN = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERN is None, reason="C++ kernels could not be built")
 
-PATHS = ["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]
+PATHS = ((["amx"] if KERN is not None and KERN.has_amx_attention() else [])
+         + (["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]))
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    KERN.set_vector_kernels(request.param == "vector")
+    """amx: the tiled attention on AMX tiles; vector: AVX-512 (tiled attention on vdpbf16ps for a bf16
+    cache with AVX512_BF16); scalar: the portable loops."""
+    KERN.set_vector_kernels(request.param != "scalar")
+    KERN.set_amx_attention(request.param == "amx")
     yield request.param
     KERN.set_vector_kernels(True)
+    KERN.set_amx_attention(True)
 
 
 def tiled(path, dtype) -> bool:
     """Whether the tiled kernel computes this case (bf16 cache, AVX512_BF16, the vector path)."""
-    return path == "vector" and dtype == torch.bfloat16 and KERN.has_tiled_attention()
+    return path in ("vector", "amx") and dtype == torch.bfloat16 and KERN.has_tiled_attention()
 
 
 def tolerance(path, dtype, value_cache) -> dict:
@@ -161,8 +166,25 @@ def test_row_kernel_path_without_bf16_dot_products_is_invariant_too():
 
 
 def test_bf16_dot_ceiling_is_measured_where_the_tiled_kernel_is_built():
-    flops = KERN.bf16_dot_ceiling(200)
-    assert (flops > 0) == KERN.has_tiled_attention()
+    assert (KERN.bf16_dot_ceiling(200) > 0) == KERN.has_tiled_attention()
+    assert (KERN.amx_dot_ceiling(200) > 0) == KERN.has_amx_attention()
+
+
+def test_amx_and_vdpbf16ps_tiles_both_match_the_reference():
+    """Where AMX runs, the AVX512-BF16 tiled kernel (what a CPU without AMX gets) is checked too: the
+    two differ only in the order of the bf16 products' float32 sums."""
+    if not KERN.has_amx_attention():
+        pytest.skip("no AMX here: the path fixture's vector case is the tiled kernel")
+    (q, kc, vc, bt, seq, pos), ref = make_batch(LONG[:3], 9, 3, 64, 16, torch.bfloat16, seed=4)
+    outs = []
+    for amx in (True, False):
+        KERN.set_amx_attention(amx)
+        try:
+            outs.append(KERN.paged_attention(q, kc, vc, bt, seq, pos, 0.125))
+        finally:
+            KERN.set_amx_attention(True)
+        torch.testing.assert_close(outs[-1].double(), ref, **tolerance("vector", torch.bfloat16, vc))
+    assert not torch.equal(outs[0], outs[1])  # the switch really selects another kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,7 +5,8 @@ turn whose history comes from the prefix cache; ``--chunk 1`` is a decode step a
 The model runs on a paged KV cache filled with random bf16 values (timing only: the outputs are not
 checked). Per step it reports the wall time, the time spent in the fused rotary + KV write + attention
 kernel (all layers), the attention's achieved FLOP/s against the measured ceiling of the tiled kernel's
-bf16 dot-product loop (``bf16_dot_ceiling`` in ``cpu_kernel.cpp``), and the KV bytes read per second.
+bf16 dot-product loop (``amx_dot_ceiling`` where it runs on AMX tiles, else ``bf16_dot_ceiling``, the
+``vdpbf16ps`` loop; both in ``cpu_kernel.cpp``), and the KV bytes read per second.
 
     tinyvllm bench prefill --context 5000 --chunk 512            # the issue-15 shape
     tinyvllm bench prefill --context 4096 --chunk 1 --batch 16   # decode at long context
@@ -53,8 +54,9 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
 
     Returns:
         dict: ``step_s`` (median seconds per step), ``step_min_s``, ``attention_s`` (median seconds in
-        ``rope_cache_attention`` per step), ``attention_gflops``, ``ceiling_gflops`` (the
-        dot-product loop's, measured in this run), ``attention_fraction_of_ceiling``,
+        ``rope_cache_attention`` per step), ``attention_gflops``, ``kernel`` (amx, avx512-bf16 or
+        row), ``ceiling_gflops`` (that kernel's dot-product loop, measured in this run; both loops'
+        in ``amx_ceiling_gflops`` / ``dpbf16_ceiling_gflops``), ``attention_fraction_of_ceiling``,
         ``kv_gb_per_s`` and the shape.
     """
     import torch
@@ -95,7 +97,10 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
             attns.append(attn_s[0])
     finally:
         backend._rope_cache_attention = inner
-    ceiling = max(kernels.bf16_dot_ceiling(20000) for _ in range(3))
+    amx = bool(kernels.has_amx_attention())
+    dpbf16 = max(kernels.bf16_dot_ceiling(20000) for _ in range(3))
+    amx_ceiling = max(kernels.amx_dot_ceiling(5000) for _ in range(3)) if amx else 0.0
+    ceiling = amx_ceiling if amx else dpbf16
     flops = attention_flops(context, chunk, batch, cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers)
     nbytes = kv_bytes(context, chunk, batch, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers)
     attn = statistics.median(attns)
@@ -104,7 +109,8 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
         "threads": torch.get_num_threads(), "num_iters": num_iters,
         "step_s": statistics.median(steps), "step_min_s": min(steps), "attention_s": attn,
         "attention_flop": flops, "attention_gflops": flops / attn / 1e9,
-        "ceiling_gflops": ceiling / 1e9,
+        "kernel": "amx" if amx else ("avx512-bf16" if dpbf16 else "row"),
+        "ceiling_gflops": ceiling / 1e9, "dpbf16_ceiling_gflops": dpbf16 / 1e9, "amx_ceiling_gflops": amx_ceiling / 1e9,
         "attention_fraction_of_ceiling": (flops / attn) / ceiling if ceiling else float("nan"),
         "kv_bytes": nbytes, "kv_gb_per_s": nbytes / attn / 1e9,
     }
@@ -129,10 +135,10 @@ def main_prefill(args: argparse.Namespace) -> dict[str, Any]:
     model.bind_attn_backend(backend)
     res = run_prefill(model, backend, kernels, args.context, args.chunk, args.batch, args.block_size, args.num_iters)
     res["model"] = args.model
-    res["tiled_attention"] = bool(kernels.has_tiled_attention())
-    print(f"{'batch':>5} {'context':>7} {'chunk':>5} {'thr':>3} {'step ms':>8} {'attn ms':>8} "
+    print(f"{'kernel':>11} {'batch':>5} {'context':>7} {'chunk':>5} {'thr':>3} {'step ms':>8} {'attn ms':>8} "
           f"{'attn GFLOP/s':>12} {'ceiling':>8} {'% ceil':>6} {'KV GB/s':>8}")
-    print(f"{res['batch']:>5} {res['context']:>7} {res['chunk']:>5} {res['threads']:>3} {res['step_s'] * 1e3:>8.1f} "
+    print(f"{res['kernel']:>11} {res['batch']:>5} {res['context']:>7} {res['chunk']:>5} {res['threads']:>3} "
+          f"{res['step_s'] * 1e3:>8.1f} "
           f"{res['attention_s'] * 1e3:>8.1f} {res['attention_gflops']:>12.1f} {res['ceiling_gflops']:>8.1f} "
           f"{100 * res['attention_fraction_of_ceiling']:>6.1f} {res['kv_gb_per_s']:>8.2f}")
     if args.result_file:

@@ -25,6 +25,8 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -520,6 +522,37 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
+// Online softmax of one pair over one tile: s = the tile's raw q . k (kKvTile / 16 vectors), scaled,
+// masked past the row's position; updates the pair's max and lane-wise sum, writes the tile's
+// probabilities as bf16 pairs to pb (kKvTile / 2 words) and returns exp(m_old - m_new) (broadcast),
+// the factor the pair's output must be scaled by before this tile's P V is added.
+template <int ND>
+inline __m512 online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vscale, uint32_t* pb) {
+  constexpr int NC = kKvTile / 16;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
+  __mmask16 mk[NC];
+  __m512 x[NC];
+  __m512 mx = ninf;
+  for (int c = 0; c < NC; ++c) {
+    mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
+    x[c] = _mm512_mask_blend_ps(mk[c], ninf, _mm512_mul_ps(s[c], vscale));
+    mx = _mm512_max_ps(mx, x[c]);
+  }
+  const float m_new = std::max(ps.m, _mm512_reduce_max_ps(mx));
+  const __m512 alpha = exp16(_mm512_set1_ps(ps.m - m_new));
+  ps.m = m_new;
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 p[NC];
+  for (int c = 0; c < NC; ++c) p[c] = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(x[c], mv)));
+  __m512 sum = _mm512_add_ps(p[0], p[1]);
+  for (int c = 2; c < NC; c += 2) sum = _mm512_add_ps(sum, _mm512_add_ps(p[c], p[c + 1]));
+  _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));
+  for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
+  return alpha;
+}
+
 // One KV tile (first position j0) for N pairs at once (register blocking; the pairs never mix).
 template <int ND, int N>
 inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, __m512 vscale) {
@@ -537,30 +570,7 @@ inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, _
   }
   alignas(64) uint32_t pb[N][kKvTile / 2];
   __m512 alpha[N];
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int n = 0; n < N; ++n) {
-    const __m512i lim = _mm512_set1_epi32(ps[n].pos - j0);
-    __mmask16 mk[NC];
-    __m512 x[NC];
-    __m512 mx = ninf;
-    for (int c = 0; c < NC; ++c) {
-      mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
-      x[c] = _mm512_mask_blend_ps(mk[c], ninf, _mm512_mul_ps(s[n][c], vscale));
-      mx = _mm512_max_ps(mx, x[c]);
-    }
-    const float m_new = std::max(ps[n].m, _mm512_reduce_max_ps(mx));
-    alpha[n] = exp16(_mm512_set1_ps(ps[n].m - m_new));
-    ps[n].m = m_new;
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 p[NC];
-    for (int c = 0; c < NC; ++c) p[c] = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(x[c], mv)));
-    __m512 sum = _mm512_add_ps(p[0], p[1]);
-    for (int c = 2; c < NC; c += 2) sum = _mm512_add_ps(sum, _mm512_add_ps(p[c], p[c + 1]));
-    _mm512_store_ps(ps[n].l, _mm512_fmadd_ps(_mm512_load_ps(ps[n].l), alpha[n], sum));
-    for (int c = 0; c < NC; c += 2)
-      _mm512_store_si512(&pb[n][c * 8], (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
-  }
+  for (int n = 0; n < N; ++n) alpha[n] = online_softmax(ps[n], s[n], j0, vscale, pb[n]);
   __m512 acc[N][ND];
   for (int n = 0; n < N; ++n)
     for (int v = 0; v < ND; ++v) acc[n][v] = _mm512_mul_ps(_mm512_load_ps(ps[n].o + v * 16), alpha[n]);
@@ -587,6 +597,84 @@ inline void tile_group(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_
   }
   tile_pairs<ND, N>(t, ps, j0, vscale);
 }
+
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The same tiles on AMX (Intel Advanced Matrix Extensions: 16 x 16 float32 accumulator tiles,
+// TDPBF16PS = 16 rows x 16 columns x 32 bf16 products): 16 pairs at a time. S = Q K^T takes the
+// pairs' bf16 queries as the A tiles (rows = pairs) and the packed K tile as B (its [D/2][kKvTile]
+// pair layout is AMX's B layout); P V takes the bf16 probabilities as A and the packed V tile as B,
+// accumulating into the pairs' outputs. Each output element depends only on its own A row and B
+// column, so the invariance argument is the kernel's above (rows past the pairs are zero padding).
+// Tiles 0-3: accumulators, 4: B, 5: A; all 16 rows x 64 bytes.
+bool amx_enabled() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+bool g_amx = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+#define TINYVLLM_TILE_FOR4(F) F(0) F(1) F(2) F(3)
+
+// 16 pairs (ps[0..15]; the ones past n are padding with zero queries) over one packed tile.
+template <int ND>
+inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
+  constexpr int NC = kKvTile / 16, KS = ND / 2;  // 16-position column blocks; 32-dim k steps
+  constexpr long kPairStride = sizeof(PairState<ND>);
+  static_assert(NC == 4, "four accumulator tiles hold one KV tile's scores");
+  alignas(64) float sb[16][kKvTile];
+  alignas(64) uint32_t pb[16][kKvTile / 2];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int ks = 0; ks < KS; ++ks) {
+    _tile_loadd(5, ps[0].q + ks * 16, kPairStride);
+#define TINYVLLM_QK(C) _tile_loadd(4, &t.k[ks * 16][C * 16], kKvTile * 4); _tile_dpbf16ps(C, 5, 4);
+    TINYVLLM_TILE_FOR4(TINYVLLM_QK)
+#undef TINYVLLM_QK
+  }
+#define TINYVLLM_ST(C) _tile_stored(C, &sb[0][C * 16], kKvTile * 4);
+  TINYVLLM_TILE_FOR4(TINYVLLM_ST)
+#undef TINYVLLM_ST
+  for (int r = 0; r < 16; ++r) {
+    if (r < n) {
+      __m512 sv[NC];
+      for (int c = 0; c < NC; ++c) sv[c] = _mm512_load_ps(&sb[r][c * 16]);
+      const __m512 alpha = online_softmax(ps[r], sv, j0, vscale, pb[r]);
+      for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
+    } else {
+      for (int c = 0; c < kKvTile / 2; c += 16) _mm512_store_si512(&pb[r][c], _mm512_setzero_si512());
+    }
+  }
+  for (int v0 = 0; v0 < ND; v0 += 4) {
+#define TINYVLLM_LD(C) if (v0 + C < ND) _tile_loadd(C, ps[0].o + (v0 + C) * 16, kPairStride);
+    TINYVLLM_TILE_FOR4(TINYVLLM_LD)
+#undef TINYVLLM_LD
+    for (int ks = 0; ks < kKvTile / 32; ++ks) {
+      _tile_loadd(5, &pb[0][ks * 16], kKvTile * 2);
+#define TINYVLLM_PV(C) if (v0 + C < ND) { _tile_loadd(4, &t.v[ks * 16][(v0 + C) * 16], ND * 64); _tile_dpbf16ps(C, 5, 4); }
+      TINYVLLM_TILE_FOR4(TINYVLLM_PV)
+#undef TINYVLLM_PV
+    }
+#define TINYVLLM_SO(C) if (v0 + C < ND) _tile_stored(C, ps[0].o + (v0 + C) * 16, kPairStride);
+    TINYVLLM_TILE_FOR4(TINYVLLM_SO)
+#undef TINYVLLM_SO
+  }
+}
+#undef TINYVLLM_TILE_FOR4
+#endif  // AMX
 
 template <typename O, int ND>
 void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -621,10 +709,16 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  const bool use_amx = g_amx && amx_enabled();
+#endif
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<PairState<ND>> st(kRowBlock * G);
+    std::vector<PairState<ND>> st(kRowBlock * G + 16);  // + AMX's padding rows past the last pair
     auto tile = std::make_unique<PackedTile<ND>>();
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (use_amx) amx_configure();
+#endif
     const C* kr[kKvTile];
     const C* vr[kKvTile];
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
@@ -643,8 +737,8 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         for (int v = 0; v < ND; ++v) _mm512_store_ps(s.o + v * 16, _mm512_setzero_ps());
         s.pos = static_cast<int32_t>(pos0 + p / G);
       }
+      int64_t blk = 0, off = 0;  // block table walk: position j0 = blk * bs + off
       for (int64_t j0 = 0; j0 < ctx_max; j0 += kKvTile) {
-        int64_t blk = j0 / bs, off = j0 % bs;
         for (int64_t j = 0; j < kKvTile; ++j) {
           if (j0 + j < ctx_max) {
             const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * D;
@@ -656,8 +750,10 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
           }
         }
         if (g_prefetch) {  // the next tile's rows (the block table scatters them: no hardware prefetch)
+          int64_t pb = blk, po = off;
           for (int64_t j = j0 + kKvTile; j < std::min<int64_t>(j0 + 2 * kKvTile, ctx_max); ++j) {
-            const int64_t e = ((bt[j / bs] * bs + j % bs) * Hk + w.hk) * D;
+            const int64_t e = ((bt[pb] * bs + po) * Hk + w.hk) * D;
+            if (++po == bs) po = 0, ++pb;
             for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
               _mm_prefetch(reinterpret_cast<const char*>(kp + e) + b, _MM_HINT_T0);
               _mm_prefetch(reinterpret_cast<const char*>(vp + e) + b, _MM_HINT_T0);
@@ -666,7 +762,16 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         }
         tile->pack(kr, vr);
         // Rows whose position is before this tile are done with it; the others take it.
-        for (int64_t p = std::max<int64_t>(0, j0 - pos0) * G; p < pairs; p += NG)
+        const int64_t first = std::max<int64_t>(0, j0 - pos0) * G;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (use_amx) {
+          for (int64_t p = first; p < pairs; p += 16)
+            tile_pairs_amx<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, pairs - p)),
+                               static_cast<int32_t>(j0), vscale);
+          continue;
+        }
+#endif
+        for (int64_t p = first; p < pairs; p += NG)
           tile_group<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
                          static_cast<int32_t>(j0), vscale);
       }
@@ -676,6 +781,9 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         for (int v = 0; v < ND; ++v) store16(orow + v * 16, _mm512_mul_ps(_mm512_load_ps(st[p].o + v * 16), inv));
       }
     }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (use_amx) _tile_release();
+#endif
   });
 }
 
@@ -713,6 +821,39 @@ double bf16_dot_ceiling_impl(int64_t iters) {
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(nthreads) * iters * 32 * 24 * 16 * 2 * 2 / sec + 0.0 * sink.load();
 }
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The same for tile_pairs_amx's S = Q K^T loop: per 32-dim step one A tile load, then for 4
+// accumulator tiles one B tile load and one TDPBF16PS (16 x 16 x 32 multiply-adds), from L1.
+double amx_dot_ceiling_impl(int64_t iters) {
+  if (!amx_enabled()) return 0.0;
+  const int64_t nthreads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[32][kKvTile];
+    alignas(64) uint32_t q[16][32];
+    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
+    for (int i = 0; i < 16 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+    amx_configure();
+    for (int64_t rep = b; rep < e; ++rep) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t it = 0; it < iters; ++it)
+        for (int ks = 0; ks < 2; ++ks) {
+          _tile_loadd(5, &q[0][ks * 16], 128);
+          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); _tile_dpbf16ps(0, 5, 4);
+          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); _tile_dpbf16ps(1, 5, 4);
+          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); _tile_dpbf16ps(2, 5, 4);
+          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); _tile_dpbf16ps(3, 5, 4);
+        }
+      alignas(64) float sink[16][16];
+      _tile_stored(0, sink, 64);
+    }
+    _tile_release();
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 32 * 2 / sec;
+}
+#endif
 #endif  // __AVX512BF16__
 #endif  // TINYVLLM_AVX512
 
@@ -997,6 +1138,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return 0.0;
 #endif
   }, "FLOP/s of the tiled attention's bf16 dot-product loop on all threads (0 without AVX512_BF16)");
+  m.def("has_amx_attention", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_enabled();
+#else
+    return false;
+#endif
+  }, "whether the tiled attention runs on AMX tiles here (built with AMX-BF16 and the OS grants tile state)");
+  m.def("set_amx_attention", [](bool on) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    g_amx = on;
+#else
+    (void)on;
+#endif
+  }, "tiled attention on AMX where available (default) or on AVX512-BF16 vdpbf16ps (tests, A/B)");
+  m.def("amx_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
