@@ -446,9 +446,9 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 //    16 positions per instruction with the query's dim pair broadcast (the GEMM's inner loop);
 //  * V as [kKvTile/2][D] pairs (positions 2i, 2i+1 of one dim per lane), so P V is 16 dims per
 //    instruction with the row's probability pair broadcast.
-// Per pair and tile: s = (q . k) * scale, masked past the row's position (causal), online softmax
-// (running max m, lane-wise running sum l, o *= exp(m_old - m_new)), P rounded to bf16, o += P V in
-// float32. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
+// Per pair and tile: s = q . k, masked past the row's position (causal), online softmax in base 2
+// (running max m of s * scale * log2 e, lane-wise running sum l, o *= 2^(m_old - m_new)), P rounded
+// to bf16, o += P V in float32. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
 // grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
 // at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
 // exactly the tiles 0..pos / kKvTile. Positions past the item's longest context read a zero row;
@@ -522,35 +522,64 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
-// Online softmax of one pair over one tile: s = the tile's raw q . k (kKvTile / 16 vectors), scaled,
-// masked past the row's position; updates the pair's max and lane-wise sum, writes the tile's
-// probabilities as bf16 pairs to pb (kKvTile / 2 words) and returns exp(m_old - m_new) (broadcast),
-// the factor the pair's output must be scaled by before this tile's P V is added.
+// 2^x lane-wise for x <= 0 (clamped at -127): x = n + f with f in [-0.5, 0.5], 2^f by the degree-5
+// Taylor polynomial of e^(f ln 2) (relative error < 4e-6, far below the bf16 rounding of P), times
+// 2^n by vscalefps.
+inline __m512 exp2_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.3333558146428443e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Online softmax of one pair over one tile, in base 2: s = the tile's raw q . k (kKvTile / 16
+// vectors), vlog2 = scale * log2(e), masked past the row's position. Updates the pair's running max
+// m (of s * vlog2) and lane-wise sum l, writes the tile's probabilities 2^(s * vlog2 - m) as bf16
+// pairs to pb (kKvTile / 2 words). Returns whether m changed; then alpha = 2^(m_old - m_new), the
+// factor the pair's output must be scaled by before this tile's P V is added (when m did not
+// change the factor is exactly 1 and the scaling is skipped: same bits). Which branches run depends
+// only on the pair's own position, scores and the tile, never on the other rows.
 template <int ND>
-inline __m512 online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vscale, uint32_t* pb) {
+inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
+                           __m512& alpha) {
   constexpr int NC = kKvTile / 16;
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
+  const bool full = ps.pos - j0 >= kKvTile - 1;  // no position of the tile is after the row
   __mmask16 mk[NC];
-  __m512 x[NC];
-  __m512 mx = ninf;
-  for (int c = 0; c < NC; ++c) {
-    mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
-    x[c] = _mm512_mask_blend_ps(mk[c], ninf, _mm512_mul_ps(s[c], vscale));
-    mx = _mm512_max_ps(mx, x[c]);
+  __m512 mx;
+  if (full) {
+    mx = s[0];
+    for (int c = 1; c < NC; ++c) mx = _mm512_max_ps(mx, s[c]);
+  } else {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
+    mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < NC; ++c) {
+      mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
+      mx = _mm512_mask_max_ps(mx, mk[c], mx, s[c]);
+    }
   }
-  const float m_new = std::max(ps.m, _mm512_reduce_max_ps(mx));
-  const __m512 alpha = exp16(_mm512_set1_ps(ps.m - m_new));
+  // vlog2 > 0, so max(s) * vlog2 = max(s * vlog2) exactly (rounding is monotonic).
+  const float m_new = std::max(ps.m, _mm512_reduce_max_ps(mx) * _mm512_cvtss_f32(vlog2));
+  const bool changed = m_new != ps.m;
+  alpha = changed ? exp2_nonpos16(_mm512_set1_ps(ps.m - m_new)) : _mm512_set1_ps(1.0f);
   ps.m = m_new;
   const __m512 mv = _mm512_set1_ps(m_new);
   __m512 p[NC];
-  for (int c = 0; c < NC; ++c) p[c] = _mm512_maskz_mov_ps(mk[c], exp16(_mm512_sub_ps(x[c], mv)));
+  for (int c = 0; c < NC; ++c) {
+    p[c] = exp2_nonpos16(_mm512_fmsub_ps(s[c], vlog2, mv));
+    if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
+  }
   __m512 sum = _mm512_add_ps(p[0], p[1]);
   for (int c = 2; c < NC; c += 2) sum = _mm512_add_ps(sum, _mm512_add_ps(p[c], p[c + 1]));
   _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));
   for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
-  return alpha;
+  return changed;
 }
 
 // One KV tile (first position j0) for N pairs at once (register blocking; the pairs never mix).
@@ -570,10 +599,14 @@ inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, _
   }
   alignas(64) uint32_t pb[N][kKvTile / 2];
   __m512 alpha[N];
-  for (int n = 0; n < N; ++n) alpha[n] = online_softmax(ps[n], s[n], j0, vscale, pb[n]);
+  bool changed[N];
+  for (int n = 0; n < N; ++n) changed[n] = online_softmax(ps[n], s[n], j0, vscale, pb[n], alpha[n]);
   __m512 acc[N][ND];
   for (int n = 0; n < N; ++n)
-    for (int v = 0; v < ND; ++v) acc[n][v] = _mm512_mul_ps(_mm512_load_ps(ps[n].o + v * 16), alpha[n]);
+    for (int v = 0; v < ND; ++v) {
+      acc[n][v] = _mm512_load_ps(ps[n].o + v * 16);
+      if (changed[n]) acc[n][v] = _mm512_mul_ps(acc[n][v], alpha[n]);
+    }
   for (int i = 0; i < kKvTile / 2; ++i) {
     __m512bh vv[ND];
     for (int v = 0; v < ND; ++v) vv[v] = (__m512bh)_mm512_load_si512(&t.v[i][v * 16]);
@@ -652,8 +685,9 @@ inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, in
     if (r < n) {
       __m512 sv[NC];
       for (int c = 0; c < NC; ++c) sv[c] = _mm512_load_ps(&sb[r][c * 16]);
-      const __m512 alpha = online_softmax(ps[r], sv, j0, vscale, pb[r]);
-      for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
+      __m512 alpha;
+      if (online_softmax(ps[r], sv, j0, vscale, pb[r], alpha))
+        for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
     } else {
       for (int c = 0; c < kKvTile / 2; c += 16) _mm512_store_si512(&pb[r][c], _mm512_setzero_si512());
     }
@@ -693,7 +727,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   const int64_t* seqp = token_seq.data_ptr<int64_t>();
   const int64_t* posp = token_pos.data_ptr<int64_t>();
   O* op = out.data_ptr<O>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale * 1.4426950408889634));  // base-2 softmax
   alignas(64) static const C zero_row[D] = {};
 
   // Work items: (run of up to kRowBlock tokens of one sequence at consecutive positions, KV head),
