@@ -18,14 +18,35 @@ from tinyvllm.kernels.cpu import cpu_kernels
 KERN = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERN is None, reason="C++ kernels could not be built")
 
-PATHS = ["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]
+PATHS = ((["amx"] if KERN is not None and KERN.has_amx_attention() else [])
+         + (["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]))
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
-    KERN.set_vector_kernels(request.param == "vector")
+    """amx: the tiled attention on AMX tiles; vector: AVX-512 (tiled attention on vdpbf16ps for a bf16
+    cache with AVX512_BF16); scalar: the portable loops."""
+    KERN.set_vector_kernels(request.param != "scalar")
+    KERN.set_amx_attention(request.param == "amx")
     yield request.param
     KERN.set_vector_kernels(True)
+    KERN.set_amx_attention(True)
+
+
+def tiled(path, dtype) -> bool:
+    """Whether the tiled kernel may compute this case (bf16 cache, AVX512_BF16, a vector path; head
+    sizes that are not a multiple of 32 still take the row kernel, which meets the tighter bound)."""
+    return path in ("vector", "amx") and dtype == torch.bfloat16 and KERN.has_tiled_attention()
+
+
+def tolerance(path, dtype, value_cache) -> dict:
+    """The tiled kernel rounds the softmax probabilities to bf16 (half an ulp: 2^-8 relative) before
+    P V, so its output is off by at most 2^-8 max|V| (the normaliser sums the unrounded weights);
+    the row kernels keep float32 probabilities."""
+    if tiled(path, dtype):
+        v = value_cache.float()
+        return dict(rtol=0.0, atol=2 ** -8 * float(v[torch.isfinite(v)].abs().max()))
+    return dict(rtol=2e-5, atol=2e-5)
 
 
 def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0):
@@ -76,7 +97,7 @@ def test_paged_attention_matches_reference(path, dtype, hq, hk, d, block_size):
     out = KERN.paged_attention(*args, d ** -0.5)
     assert out.shape == ref.shape and out.dtype == torch.float32
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.double(), ref, **tolerance(path, dtype, args[2]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,6 +115,77 @@ def test_paged_attention_rows_are_batch_invariant(path, dtype):
     sub = KERN.paged_attention(q[part], kc, vc, bt[6:7], torch.zeros(len(part), dtype=torch.int64), pos[part],
                                d ** -0.5)
     assert torch.equal(sub, full[part])
+
+
+# Long contexts (several 64-position KV tiles of the tiled kernel), prefill chunks longer than its
+# 32-row work items, contexts ending at and just past a tile edge.
+LONG = [(300, 1), (130, 70), (0, 150), (63, 2), (64, 1), (191, 40)]
+
+
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 96)])
+def test_long_context_rows_are_invariant_and_match_reference(path, hq, hk, d):
+    """Every row gives the same bits in the whole ragged batch, in its sequence's chunk alone, in
+    pieces of the chunk cut inside KV tiles and row blocks, and alone as a decode row; and all
+    agree with the float64 reference."""
+    dtype = torch.bfloat16
+    (q, kc, vc, bt, seq, pos), ref = make_batch(LONG, hq, hk, d, 16, dtype, seed=2)
+    full = KERN.paged_attention(q, kc, vc, bt, seq, pos, d ** -0.5)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(full.double(), ref, **tolerance(path, dtype, vc))
+
+    def alone(rows, s):
+        return KERN.paged_attention(q[rows], kc, vc, bt[s:s + 1], torch.zeros(len(rows), dtype=torch.int64),
+                                    pos[rows], d ** -0.5)
+
+    for s in range(len(LONG)):
+        rows = (seq == s).nonzero().flatten()
+        assert torch.equal(alone(rows, s), full[rows]), f"sequence {s}'s chunk alone differs"
+        cuts = [0] + [c for c in (1, 13, 45, 77, 110) if c < len(rows)] + [len(rows)]
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(alone(rows[a:b], s), full[rows[a:b]]), f"sequence {s} rows {a}:{b} differ"
+        for t in rows[::9].tolist() + [rows[-1].item()]:
+            assert torch.equal(alone(torch.tensor([t]), s)[0], full[t]), f"row {t} as a decode row differs"
+
+
+def test_row_kernel_path_without_bf16_dot_products_is_invariant_too():
+    """The AVX-512 row kernel (what a bf16 cache gets on a CPU without AVX512_BF16) stays correct and
+    batch invariant."""
+    if not KERN.has_tiled_attention():
+        pytest.skip("the tiled kernel is not built: the row kernel is what the other tests check")
+    KERN.set_tiled_attention(False)
+    try:
+        hq, hk, d = 9, 3, 64
+        (q, kc, vc, bt, seq, pos), ref = make_batch(LONG[:3], hq, hk, d, 16, torch.bfloat16, seed=3)
+        full = KERN.paged_attention(q, kc, vc, bt, seq, pos, d ** -0.5)
+        torch.testing.assert_close(full.double(), ref, rtol=2e-5, atol=2e-5)
+        for t in (0, 5, 100, q.shape[0] - 1):
+            one = KERN.paged_attention(q[t:t + 1], kc, vc, bt[seq[t]:seq[t] + 1], torch.zeros(1, dtype=torch.int64),
+                                       pos[t:t + 1], d ** -0.5)
+            assert torch.equal(one[0], full[t])
+    finally:
+        KERN.set_tiled_attention(True)
+
+
+def test_bf16_dot_ceiling_is_measured_where_the_tiled_kernel_is_built():
+    assert (KERN.bf16_dot_ceiling(200) > 0) == KERN.has_tiled_attention()
+    assert (KERN.amx_dot_ceiling(200) > 0) == KERN.has_amx_attention()
+
+
+def test_amx_and_vdpbf16ps_tiles_both_match_the_reference():
+    """Where AMX runs, the AVX512-BF16 tiled kernel (what a CPU without AMX gets) is checked too: the
+    two differ only in the order of the bf16 products' float32 sums."""
+    if not KERN.has_amx_attention():
+        pytest.skip("no AMX here: the path fixture's vector case is the tiled kernel")
+    (q, kc, vc, bt, seq, pos), ref = make_batch(LONG[:3], 9, 3, 64, 16, torch.bfloat16, seed=4)
+    outs = []
+    for amx in (True, False):
+        KERN.set_amx_attention(amx)
+        try:
+            outs.append(KERN.paged_attention(q, kc, vc, bt, seq, pos, 0.125))
+        finally:
+            KERN.set_amx_attention(True)
+        torch.testing.assert_close(outs[-1].double(), ref, **tolerance("vector", torch.bfloat16, vc))
+    assert not torch.equal(outs[0], outs[1])  # the switch really selects another kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -101,6 +101,7 @@ def _llm_class() -> type:
 
 
 def _add_bench_commands(p: argparse.ArgumentParser) -> None:
+    from tinyvllm.benchmarks import prefill as bench_prefill
     from tinyvllm.benchmarks import serve as bench_serve
     from tinyvllm.benchmarks import throughput as bench_tp
 
@@ -125,6 +126,10 @@ def _add_bench_commands(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(bp)
     bench_tp.add_latency_args(bp)
     bp.set_defaults(func=lambda a: (bench_tp.main_latency(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
+    bp = bsub.add_parser("prefill", help="one long-context prefill chunk (or decode) step, attention GFLOP/s",
+                         formatter_class=_FMT)
+    bench_prefill.add_prefill_args(bp)
+    bp.set_defaults(func=lambda a: (bench_prefill.main_prefill(a), 0)[1])
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:

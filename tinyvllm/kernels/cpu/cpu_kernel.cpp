@@ -17,10 +17,16 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -34,6 +40,7 @@ constexpr int kLanes = 16;
 // Whether the AVX-512 kernels may run (tests switch them off to check the portable path).
 bool g_vector_kernels = true;
 bool g_prefetch = true;
+bool g_tiled_attention = true;  // bf16 cache + AVX512_BF16: attention_tiled (off: the row kernel, for A/B)
 
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
@@ -232,9 +239,8 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
 }
 
-// Partial dot products of one query with one context row: 16 lanes whose sum is q . k.
-// bf16 cache with AVX512_BF16 and an even number of 16-wide groups: vdpbf16ps on the raw cache row
-// (the query is bf16-exact: it was rounded to the model dtype after rotary); otherwise float32 FMAs.
+// Partial dot products of one query with one context row: 16 lanes whose sum is q . k (float32 FMAs;
+// a bf16 cache on a CPU with AVX512_BF16 goes to attention_tiled instead).
 template <typename C, int ND>
 struct QueryRow {
   __m512 q[ND];
@@ -248,30 +254,6 @@ struct QueryRow {
   }
 };
 
-#if defined(__AVX512BF16__)
-template <int ND>
-struct QueryRowBf16 {
-  __m512bh q[ND / 2];
-  void load(const float* p) {
-    // cvtne2ps(hi, lo): element pairs (2i, 2i+1) line up with the cache row's bf16 pairs.
-    for (int v = 0; v < ND / 2; ++v) q[v] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + v * 32 + 16), _mm512_loadu_ps(p + v * 32));
-  }
-  __m512 dot(const c10::BFloat16* row) const {
-    __m512 a = _mm512_setzero_ps();
-    for (int v = 0; v < ND / 2; ++v)
-      a = _mm512_dpbf16_ps(a, q[v], (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(row + v * 32)));
-    return a;
-  }
-};
-template <>
-struct QueryRow<c10::BFloat16, 2> : QueryRowBf16<2> {};
-template <>
-struct QueryRow<c10::BFloat16, 4> : QueryRowBf16<4> {};
-template <>
-struct QueryRow<c10::BFloat16, 6> : QueryRowBf16<6> {};
-template <>
-struct QueryRow<c10::BFloat16, 8> : QueryRowBf16<8> {};
-#endif
 
 // sum_j probs[h][j] * V[j] for j = 0..n-1 in position order, for NH heads sharing one KV head;
 // each V row is converted once. res: [NH, D] float32.
@@ -451,6 +433,462 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
     }
   });
 }
+
+#if defined(__AVX512BF16__)
+// ---------------------------------------------------------------------------------------------
+// Tiled attention over a bf16 paged cache (FlashAttention, Dao et al. 2022, on the paged layout):
+// every query row, whether it is one of a long prefill chunk or a lone decode token, goes through
+// this kernel. A work item is (run of up to kRowBlock consecutive query rows of one sequence, KV
+// head): its "pairs" are (row, query head of the GQA group). The context is cut into KV tiles of
+// kKvTile positions at fixed absolute positions [c * kKvTile, (c + 1) * kKvTile) from position 0,
+// and each tile is packed once per item for bf16 dot products (vdpbf16ps, 2 multiply-adds per lane):
+//  * K as [D/2][kKvTile] 32-bit pairs (dims 2i, 2i+1 of one position per lane), so S = Q K^T is
+//    16 positions per instruction with the query's dim pair broadcast (the GEMM's inner loop);
+//  * V as [kKvTile/2][D] pairs (positions 2i, 2i+1 of one dim per lane), so P V is 16 dims per
+//    instruction with the row's probability pair broadcast.
+// Per pair and tile: s = q . k, masked past the row's position (causal), online softmax in base 2
+// (running max m of s * scale * log2 e, lane-wise running sum l, o *= 2^(m_old - m_new)), P rounded
+// to bf16, o += P V in float32. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
+// grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
+// at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
+// exactly the tiles 0..pos / kKvTile. Positions past the item's longest context read a zero row;
+// positions past a row's own position are masked to probability 0 (exactly 0 * V).
+
+constexpr int kKvTile = 64;    // cached positions per KV tile
+constexpr int kRowBlock = 32;  // query rows per work item
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements: r[i][j] -> r[j][i].
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  __m512i u[16];  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 1, 3, 1));
+    r[k] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + k] = _mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1));
+    r[4 + k] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + k] = _mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// One KV tile of one KV head, packed for vdpbf16ps (see above). D = ND * 16, ND even.
+template <int ND>
+struct PackedTile {
+  static constexpr int DP = ND * 8;  // dim pairs
+  alignas(64) uint32_t k[DP][kKvTile];
+  alignas(64) uint32_t v[kKvTile / 2][ND * 16];
+
+  // rows[j]: the K (kr) and V (vr) cache rows of tile position j (a zero row past the context).
+  void pack(const c10::BFloat16* const* kr, const c10::BFloat16* const* vr) {
+    for (int jb = 0; jb < kKvTile; jb += 16)
+      for (int db = 0; db < DP; db += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(kr[jb + j]) + db);
+        transpose16x16(r);
+        for (int d = 0; d < 16; ++d) _mm512_store_si512(&k[db + d][jb], r[d]);
+      }
+    // Word 2i of the result = a[i], word 2i+1 = b[i] (i = 0..15), and the same for a[16..31], b[16..31].
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int i = 0; i < kKvTile / 2; ++i)
+      for (int d = 0; d < ND * 16; d += 32) {
+        const __m512i a = _mm512_loadu_si512(vr[2 * i] + d), b = _mm512_loadu_si512(vr[2 * i + 1] + d);
+        _mm512_store_si512(&v[i][d], _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_store_si512(&v[i][d + 16], _mm512_permutex2var_epi16(a, hi, b));
+      }
+  }
+};
+
+// Running state of one (row, head) pair: the query as bf16 dim pairs, max, lane-wise sum, output.
+template <int ND>
+struct PairState {
+  alignas(64) uint32_t q[ND * 8];
+  alignas(64) float l[16];
+  alignas(64) float o[ND * 16];
+  float m;
+  int32_t pos;  // the row's position: tile positions after it are masked
+};
+
+// 2^x lane-wise for x <= 0 (clamped at -127): x = n + f with f in [-0.5, 0.5], 2^f by the degree-5
+// Taylor polynomial of e^(f ln 2) (relative error < 4e-6, far below the bf16 rounding of P), times
+// 2^n by vscalefps.
+inline __m512 exp2_nonpos16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.3333558146428443e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// Online softmax of one pair over one tile, in base 2: s = the tile's raw q . k (kKvTile / 16
+// vectors), vlog2 = scale * log2(e), masked past the row's position. Updates the pair's running max
+// m (of s * vlog2) and lane-wise sum l, writes the tile's probabilities 2^(s * vlog2 - m) as bf16
+// pairs to pb (kKvTile / 2 words). Returns whether m changed; then alpha = 2^(m_old - m_new), the
+// factor the pair's output must be scaled by before this tile's P V is added (when m did not
+// change the factor is exactly 1 and the scaling is skipped: same bits). Which branches run depends
+// only on the pair's own position, scores and the tile, never on the other rows.
+template <int ND>
+inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
+                           __m512& alpha) {
+  constexpr int NC = kKvTile / 16;
+  const bool full = ps.pos - j0 >= kKvTile - 1;  // no position of the tile is after the row
+  __mmask16 mk[NC];
+  __m512 mx;
+  if (full) {
+    mx = s[0];
+    for (int c = 1; c < NC; ++c) mx = _mm512_max_ps(mx, s[c]);
+  } else {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
+    mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int c = 0; c < NC; ++c) {
+      mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
+      mx = _mm512_mask_max_ps(mx, mk[c], mx, s[c]);
+    }
+  }
+  // vlog2 > 0, so max(s) * vlog2 = max(s * vlog2) exactly (rounding is monotonic).
+  const float m_new = std::max(ps.m, _mm512_reduce_max_ps(mx) * _mm512_cvtss_f32(vlog2));
+  const bool changed = m_new != ps.m;
+  alpha = changed ? exp2_nonpos16(_mm512_set1_ps(ps.m - m_new)) : _mm512_set1_ps(1.0f);
+  ps.m = m_new;
+  const __m512 mv = _mm512_set1_ps(m_new);
+  __m512 p[NC];
+  for (int c = 0; c < NC; ++c) {
+    p[c] = exp2_nonpos16(_mm512_fmsub_ps(s[c], vlog2, mv));
+    if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
+  }
+  __m512 sum = _mm512_add_ps(p[0], p[1]);
+  for (int c = 2; c < NC; c += 2) sum = _mm512_add_ps(sum, _mm512_add_ps(p[c], p[c + 1]));
+  _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));
+  for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
+  return changed;
+}
+
+// One KV tile (first position j0) for N pairs at once (register blocking; the pairs never mix).
+template <int ND, int N>
+inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, __m512 vscale) {
+  constexpr int DP = ND * 8, NC = kKvTile / 16;
+  __m512 s[N][NC];
+  for (int n = 0; n < N; ++n)
+    for (int c = 0; c < NC; ++c) s[n][c] = _mm512_setzero_ps();
+  for (int dp = 0; dp < DP; ++dp) {
+    __m512bh kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = (__m512bh)_mm512_load_si512(&t.k[dp][c * 16]);
+    for (int n = 0; n < N; ++n) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(ps[n].q[dp]));
+      for (int c = 0; c < NC; ++c) s[n][c] = _mm512_dpbf16_ps(s[n][c], qb, kv[c]);
+    }
+  }
+  alignas(64) uint32_t pb[N][kKvTile / 2];
+  __m512 alpha[N];
+  bool changed[N];
+  for (int n = 0; n < N; ++n) changed[n] = online_softmax(ps[n], s[n], j0, vscale, pb[n], alpha[n]);
+  __m512 acc[N][ND];
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < ND; ++v) {
+      acc[n][v] = _mm512_load_ps(ps[n].o + v * 16);
+      if (changed[n]) acc[n][v] = _mm512_mul_ps(acc[n][v], alpha[n]);
+    }
+  for (int i = 0; i < kKvTile / 2; ++i) {
+    __m512bh vv[ND];
+    for (int v = 0; v < ND; ++v) vv[v] = (__m512bh)_mm512_load_si512(&t.v[i][v * 16]);
+    for (int n = 0; n < N; ++n) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pb[n][i]));
+      for (int v = 0; v < ND; ++v) acc[n][v] = _mm512_dpbf16_ps(acc[n][v], pp, vv[v]);
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[n].o + v * 16, acc[n][v]);
+}
+
+// Pairs computed together: as many as keep the accumulators (N x 4 for S, N x ND for O) in registers.
+template <int ND>
+constexpr int kGroupPairs = ND <= 4 ? 6 : (ND == 6 ? 4 : 2);
+
+template <int ND, int N = kGroupPairs<ND>>
+inline void tile_group(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
+  if constexpr (N > 1) {
+    if (n < N) return tile_group<ND, N - 1>(t, ps, n, j0, vscale);
+  }
+  tile_pairs<ND, N>(t, ps, j0, vscale);
+}
+
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The same tiles on AMX (Intel Advanced Matrix Extensions: 16 x 16 float32 accumulator tiles,
+// TDPBF16PS = 16 rows x 16 columns x 32 bf16 products): 16 pairs at a time. S = Q K^T takes the
+// pairs' bf16 queries as the A tiles (rows = pairs) and the packed K tile as B (its [D/2][kKvTile]
+// pair layout is AMX's B layout); P V takes the bf16 probabilities as A and the packed V tile as B,
+// accumulating into the pairs' outputs. Each output element depends only on its own A row and B
+// column, so the invariance argument is the kernel's above (rows past the pairs are zero padding).
+// Tiles 0-3: accumulators, 4: B, 5: A; all 16 rows x 64 bytes.
+bool amx_enabled() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+}
+bool g_amx = true;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+#define TINYVLLM_TILE_FOR4(F) F(0) F(1) F(2) F(3)
+
+// 16 pairs (ps[0..15]; the ones past n are padding with zero queries) over one packed tile.
+template <int ND>
+inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
+  constexpr int NC = kKvTile / 16, KS = ND / 2;  // 16-position column blocks; 32-dim k steps
+  constexpr long kPairStride = sizeof(PairState<ND>);
+  static_assert(NC == 4, "four accumulator tiles hold one KV tile's scores");
+  alignas(64) float sb[16][kKvTile];
+  alignas(64) uint32_t pb[16][kKvTile / 2];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int ks = 0; ks < KS; ++ks) {
+    _tile_loadd(5, ps[0].q + ks * 16, kPairStride);
+#define TINYVLLM_QK(C) _tile_loadd(4, &t.k[ks * 16][C * 16], kKvTile * 4); _tile_dpbf16ps(C, 5, 4);
+    TINYVLLM_TILE_FOR4(TINYVLLM_QK)
+#undef TINYVLLM_QK
+  }
+#define TINYVLLM_ST(C) _tile_stored(C, &sb[0][C * 16], kKvTile * 4);
+  TINYVLLM_TILE_FOR4(TINYVLLM_ST)
+#undef TINYVLLM_ST
+  for (int r = 0; r < 16; ++r) {
+    if (r < n) {
+      __m512 sv[NC];
+      for (int c = 0; c < NC; ++c) sv[c] = _mm512_load_ps(&sb[r][c * 16]);
+      __m512 alpha;
+      if (online_softmax(ps[r], sv, j0, vscale, pb[r], alpha))
+        for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
+    } else {
+      for (int c = 0; c < kKvTile / 2; c += 16) _mm512_store_si512(&pb[r][c], _mm512_setzero_si512());
+    }
+  }
+  for (int v0 = 0; v0 < ND; v0 += 4) {
+#define TINYVLLM_LD(C) if (v0 + C < ND) _tile_loadd(C, ps[0].o + (v0 + C) * 16, kPairStride);
+    TINYVLLM_TILE_FOR4(TINYVLLM_LD)
+#undef TINYVLLM_LD
+    for (int ks = 0; ks < kKvTile / 32; ++ks) {
+      _tile_loadd(5, &pb[0][ks * 16], kKvTile * 2);
+#define TINYVLLM_PV(C) if (v0 + C < ND) { _tile_loadd(4, &t.v[ks * 16][(v0 + C) * 16], ND * 64); _tile_dpbf16ps(C, 5, 4); }
+      TINYVLLM_TILE_FOR4(TINYVLLM_PV)
+#undef TINYVLLM_PV
+    }
+#define TINYVLLM_SO(C) if (v0 + C < ND) _tile_stored(C, ps[0].o + (v0 + C) * 16, kPairStride);
+    TINYVLLM_TILE_FOR4(TINYVLLM_SO)
+#undef TINYVLLM_SO
+  }
+}
+#undef TINYVLLM_TILE_FOR4
+#endif  // AMX
+
+template <typename O, int ND>
+void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                     const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                     const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+  using C = c10::BFloat16;
+  constexpr int D = ND * 16, NG = kGroupPairs<ND>;
+  const int64_t num_tokens = q.size(0), Hq = q.size(1);
+  const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
+  const int64_t G = Hq / Hk;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const C* kp = key_cache.data_ptr<C>();
+  const C* vp = value_cache.data_ptr<C>();
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* seqp = token_seq.data_ptr<int64_t>();
+  const int64_t* posp = token_pos.data_ptr<int64_t>();
+  O* op = out.data_ptr<O>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale * 1.4426950408889634));  // base-2 softmax
+  alignas(64) static const C zero_row[D] = {};
+
+  // Work items: (run of up to kRowBlock tokens of one sequence at consecutive positions, KV head),
+  // handed out longest first from a shared counter (a descheduled thread delays only its own item).
+  struct Item { int64_t t0, rows, hk, cost; };
+  std::vector<Item> items;
+  for (int64_t t = 0; t < num_tokens;) {
+    int64_t e = t + 1;
+    while (e < num_tokens && e - t < kRowBlock && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    for (int64_t hk = 0; hk < Hk; ++hk) items.push_back({t, e - t, hk, (e - t) * (posp[e - 1] + 1)});
+    t = e;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+  const bool use_amx = g_amx && amx_enabled();
+#endif
+
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    std::vector<PairState<ND>> st(kRowBlock * G + 16);  // + AMX's padding rows past the last pair
+    auto tile = std::make_unique<PackedTile<ND>>();
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (use_amx) amx_configure();
+#endif
+    const C* kr[kKvTile];
+    const C* vr[kKvTile];
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const Item& w = items[it];
+      const int64_t pairs = w.rows * G;
+      const int64_t* bt = btp + seqp[w.t0] * max_blocks;
+      const int64_t pos0 = posp[w.t0], ctx_max = pos0 + w.rows;
+      for (int64_t p = 0; p < pairs; ++p) {
+        PairState<ND>& s = st[p];
+        const float* qrow = qp + ((w.t0 + p / G) * Hq + w.hk * G + p % G) * D;
+        for (int v = 0; v < ND; v += 2)  // cvtne2ps(hi, lo): dims (2i, 2i+1) in one 32-bit lane
+          _mm512_store_si512(s.q + v * 8, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qrow + v * 16 + 16),
+                                                                       _mm512_loadu_ps(qrow + v * 16)));
+        s.m = -std::numeric_limits<float>::infinity();
+        _mm512_store_ps(s.l, _mm512_setzero_ps());
+        for (int v = 0; v < ND; ++v) _mm512_store_ps(s.o + v * 16, _mm512_setzero_ps());
+        s.pos = static_cast<int32_t>(pos0 + p / G);
+      }
+      int64_t blk = 0, off = 0;  // block table walk: position j0 = blk * bs + off
+      for (int64_t j0 = 0; j0 < ctx_max; j0 += kKvTile) {
+        for (int64_t j = 0; j < kKvTile; ++j) {
+          if (j0 + j < ctx_max) {
+            const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * D;
+            kr[j] = kp + e;
+            vr[j] = vp + e;
+            if (++off == bs) off = 0, ++blk;
+          } else {
+            kr[j] = vr[j] = zero_row;
+          }
+        }
+        if (g_prefetch) {  // the next tile's rows (the block table scatters them: no hardware prefetch)
+          int64_t pb = blk, po = off;
+          for (int64_t j = j0 + kKvTile; j < std::min<int64_t>(j0 + 2 * kKvTile, ctx_max); ++j) {
+            const int64_t e = ((bt[pb] * bs + po) * Hk + w.hk) * D;
+            if (++po == bs) po = 0, ++pb;
+            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
+              _mm_prefetch(reinterpret_cast<const char*>(kp + e) + b, _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vp + e) + b, _MM_HINT_T0);
+            }
+          }
+        }
+        tile->pack(kr, vr);
+        // Rows whose position is before this tile are done with it; the others take it.
+        const int64_t first = std::max<int64_t>(0, j0 - pos0) * G;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (use_amx) {
+          for (int64_t p = first; p < pairs; p += 16)
+            tile_pairs_amx<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, pairs - p)),
+                               static_cast<int32_t>(j0), vscale);
+          continue;
+        }
+#endif
+        for (int64_t p = first; p < pairs; p += NG)
+          tile_group<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
+                         static_cast<int32_t>(j0), vscale);
+      }
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512 inv = _mm512_set1_ps(1.0f / hsum(_mm512_load_ps(st[p].l)));
+        O* orow = op + ((w.t0 + p / G) * Hq + w.hk * G + p % G) * D;
+        for (int v = 0; v < ND; ++v) store16(orow + v * 16, _mm512_mul_ps(_mm512_load_ps(st[p].o + v * 16), inv));
+      }
+    }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (use_amx) _tile_release();
+#endif
+  });
+}
+
+// The bf16 dot-product ceiling of tile_pairs' inner loop (the benchmark's reference): per dim pair,
+// 4 K vectors loaded from L1 and 6 broadcast queries, 24 independent vdpbf16ps chains, on every
+// thread. Returns the float32 multiply-adds * 2 per second of all threads.
+double bf16_dot_ceiling_impl(int64_t iters) {
+  const int64_t nthreads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[32][kKvTile];
+    alignas(64) uint32_t q[6][32];
+    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
+    for (int i = 0; i < 6 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+    for (int64_t rep = b; rep < e; ++rep) {
+      __m512 s[6][4];
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) s[n][c] = _mm512_setzero_ps();
+      for (int64_t it = 0; it < iters; ++it)
+        for (int dp = 0; dp < 32; ++dp) {
+          __m512bh kv[4];
+          for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_load_si512(&k[dp][c * 16]);
+          for (int n = 0; n < 6; ++n) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[n][dp]));
+            for (int c = 0; c < 4; ++c) s[n][c] = _mm512_dpbf16_ps(s[n][c], qb, kv[c]);
+          }
+        }
+      __m512 t = _mm512_setzero_ps();
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) t = _mm512_add_ps(t, s[n][c]);
+      sink += static_cast<int64_t>(_mm512_reduce_add_ps(t) != 0.0f);
+    }
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 32 * 24 * 16 * 2 * 2 / sec + 0.0 * sink.load();
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// The same for tile_pairs_amx's S = Q K^T loop: per 32-dim step one A tile load, then for 4
+// accumulator tiles one B tile load and one TDPBF16PS (16 x 16 x 32 multiply-adds), from L1.
+double amx_dot_ceiling_impl(int64_t iters) {
+  if (!amx_enabled()) return 0.0;
+  const int64_t nthreads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[32][kKvTile];
+    alignas(64) uint32_t q[16][32];
+    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
+    for (int i = 0; i < 16 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+    amx_configure();
+    for (int64_t rep = b; rep < e; ++rep) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t it = 0; it < iters; ++it)
+        for (int ks = 0; ks < 2; ++ks) {
+          _tile_loadd(5, &q[0][ks * 16], 128);
+          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); _tile_dpbf16ps(0, 5, 4);
+          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); _tile_dpbf16ps(1, 5, 4);
+          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); _tile_dpbf16ps(2, 5, 4);
+          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); _tile_dpbf16ps(3, 5, 4);
+        }
+      alignas(64) float sink[16][16];
+      _tile_stored(0, sink, 64);
+    }
+    _tile_release();
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 32 * 2 / sec;
+}
+#endif
+#endif  // __AVX512BF16__
 #endif  // TINYVLLM_AVX512
 
 // Paged attention over the packed batch: the AVX-512 kernel when the head size allows it.
@@ -458,6 +896,19 @@ template <typename C, typename O>
 void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq,
                     const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    if (g_vector_kernels && g_tiled_attention) {
+      switch (q.size(2)) {
+        case 32: return attention_tiled<O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+        case 64: return attention_tiled<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+        case 96: return attention_tiled<O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+        case 128: return attention_tiled<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+        default: break;
+      }
+    }
+  }
+#endif
 #if defined(TINYVLLM_AVX512)
   if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup) {
     switch (q.size(2)) {
@@ -704,6 +1155,45 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
   m.def("set_vector_kernels", [](bool on) { g_vector_kernels = on; },
         "use the AVX-512 kernels where built (default) or the portable scalar loops (tests)");
+  m.def("set_tiled_attention", [](bool on) { g_tiled_attention = on; },
+        "bf16 cache: the tiled kernel (default) or the row kernel (tests of the AVX-512 path without AVX512_BF16)");
+  m.def("has_tiled_attention", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the tiled bf16 attention kernel (AVX512_BF16) was compiled in");
+  m.def("bf16_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
+    return bf16_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of the tiled attention's bf16 dot-product loop on all threads (0 without AVX512_BF16)");
+  m.def("has_amx_attention", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_enabled();
+#else
+    return false;
+#endif
+  }, "whether the tiled attention runs on AMX tiles here (built with AMX-BF16 and the OS grants tile state)");
+  m.def("set_amx_attention", [](bool on) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    g_amx = on;
+#else
+    (void)on;
+#endif
+  }, "tiled attention on AMX where available (default) or on AVX512-BF16 vdpbf16ps (tests, A/B)");
+  m.def("amx_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return amx_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
