@@ -26,7 +26,7 @@ TOKEN_CAP = 4  # max_tokens / max_completion_tokens / min_tokens in the fuzzed s
 def _schema() -> dict:
     from tinyvllm.entrypoints.openai.api_server import build_app
 
-    stub = types.SimpleNamespace(tokenizer=None, model_name="m")
+    stub = types.SimpleNamespace(tokenizer=None, model_name="m", step_listeners=[])
     spec = build_app(stub).openapi()  # type: ignore[arg-type]
     for comp in spec.get("components", {}).get("schemas", {}).values():
         for name, prop in comp.get("properties", {}).items():
