@@ -309,6 +309,29 @@ def test_agent_failed_turn_ends_session(server):
     assert res["errors"] == 1
 
 
+def test_agent_tool_calls_mode_sends_the_schema_and_counts_valid_calls(server):
+    wl = ds.agent_dataset(2, 2, prefix_len=10, user_len=3, output_len=4, tool_result_len=5, think_time=0.0)
+    res = _run(server.base_url, "m", wl, agent_tool_calls=True)
+    bodies = [rec["body"] for rec in server.records]
+    assert len(bodies) == 4
+    assert all(b["structured_outputs"] == {"json": ds.tool_call_schema()} for b in bodies)
+    # The stub answers plain words, never a tool call: all four answers are counted, none valid.
+    assert res["tool_calls"] == {"answered": 4, "valid": 0}
+    assert "Valid constrained tool calls:" in report.format_table(res)
+    plain = _run(server.base_url, "m", wl)
+    assert "tool_calls" not in plain and "structured_outputs" not in server.records[-1]["body"]
+
+
+def test_tool_call_validity_check():
+    ok = '{"name": "read_file", "arguments": {"query": "src/main.py"}}'
+    assert ds.is_valid_tool_call(ok)
+    for bad in ('{"name": "rm_rf", "arguments": {"query": "/"}}', '{"name": "read_file"}',
+                '{"name": "read_file", "arguments": {"query": 3}}', ok[:-1],
+                '{"name": "read_file", "arguments": {"query": "' + "x" * 41 + '"}}',
+                '{"name": "read_file", "arguments": {"query": "a", "extra": 1}}'):
+        assert not ds.is_valid_tool_call(bad), bad
+
+
 # ------------------------------------------------------------------ metrics / report / CLI
 
 

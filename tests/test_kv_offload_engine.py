@@ -52,6 +52,24 @@ def test_host_tier_identical_outputs_across_pool_evictions(make_smol_llm):
     assert p_on < p_off and p_on == sum(len_ - c for len_, c in zip(_lens(), c_on))
     _check_no_leak(on)
     _check_no_leak(off)
+    # The prefix-cache report (issue 18's prefix_cache_debug) splits the hit between pool and tier.
+    sched, seen = on.llm_engine.core.scheduler, []
+    add = sched.add_request
+
+    def add_debug(req):
+        req.prefix_cache_debug = True
+        seen.append(req)
+        add(req)
+
+    sched.add_request = add_debug
+    try:
+        _sessions(on, turns=2)  # the same sessions again: the first turn's blocks were evicted to the tier
+    finally:
+        sched.add_request = add
+    reports = [(r.prefix_cache_report, r.num_cached_tokens, r.num_cached_tokens_tier) for r in seen]
+    assert any(tier > 0 for _, _, tier in reports)
+    for rep, cached, tier in reports:
+        assert rep.offloaded_tokens == tier and rep.cached_tokens + rep.offloaded_tokens == cached
 
 
 def _lens(n_sessions=3, turns=3, tail=40):

@@ -302,3 +302,22 @@ def test_server_still_serves_after_errors(client, server):
     m = httpx.get(server.base + "/metrics", timeout=10).text
     running = [ln for ln in m.splitlines() if ln.startswith("tinyvllm:num_requests_running")]
     assert running and all(float(ln.split()[-1]) == 0 for ln in running)
+
+
+# ----------------------------------------------------------------------------- bench serve
+
+def test_bench_serve_agent_answers_are_constrained_tool_calls(server):
+    """``bench serve --dataset agent --agent-tool-calls`` against the real server: every turn's answer is a
+    grammar-constrained JSON tool call, and each one parses and follows the schema."""
+    import asyncio
+
+    from tinyvllm.benchmarks import datasets as ds
+    from tinyvllm.benchmarks.serve import run_benchmark
+
+    wl = ds.agent_dataset(2, 2, prefix_len=60, user_len=8, output_len=48, tool_result_len=20, think_time=0.0)
+    res = asyncio.run(run_benchmark(server.base, MODEL, wl, agent_tool_calls=True))  # ignore_eos too
+    assert res["completed"] == 4 and res["errors"] == 0
+    assert res["tool_calls"] == {"answered": 4, "valid": 4}
+    for r in res["requests"]:
+        call = json.loads(r["generated_text"])
+        assert call["name"] in ds.AGENT_TOOL_NAMES and r["output_tokens"] < 48  # ended by the grammar

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Sequence, Union
 
 Prompt = Union[str, list[int]]
 
@@ -251,3 +251,40 @@ def agent_dataset(
         think_time=think_time,
     )
     return AgentWorkload(sessions=out, think_time=think_time, meta=meta)
+
+
+# ---------------------------------------------------------------- agent tool calls
+
+AGENT_TOOL_NAMES = ("search_files", "read_file", "run_tests", "edit_file")
+
+
+def tool_call_schema(names: Sequence[str] = AGENT_TOOL_NAMES, max_arg_len: int = 40) -> dict:
+    """JSON schema of one agent tool call, ``{"name": <one of names>, "arguments": {"query": str}}``:
+    the constraint of ``bench serve --agent-tool-calls`` (sent as ``structured_outputs.json``)."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"enum": list(names)},
+            "arguments": {"type": "object", "properties": {"query": {"type": "string", "maxLength": max_arg_len}},
+                          "required": ["query"], "additionalProperties": False},
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def is_valid_tool_call(text: str, names: Sequence[str] = AGENT_TOOL_NAMES, max_arg_len: int = 40) -> bool:
+    """Whether ``text`` is a JSON tool call that follows :func:`tool_call_schema` (checked by hand, so the
+    client needs no schema library)."""
+    import json
+
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    if not isinstance(obj, dict) or set(obj) != {"name", "arguments"} or obj["name"] not in names:
+        return False
+    args = obj["arguments"]
+    return (isinstance(args, dict) and set(args) == {"query"} and isinstance(args["query"], str)
+            and len(args["query"]) <= max_arg_len)
+

@@ -50,6 +50,7 @@ class RequestRecord:
     turn: int | None = None
     group_id: int | None = None
     generated_text: str = ""
+    tool_call_valid: bool | None = None  # agent --agent-tool-calls: the answer is a valid tool call
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -74,6 +74,9 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{_fmt(t['mean_prompt_tokens'], 0):>10} {_fmt(t['mean_cached_tokens'], 0):>10} "
                 f"{_fmt(t.get('mean_computed_tokens'), 0):>8} {_fmt(None if frac is None else 100 * frac, 0):>5}"
             )
+    if r.get("tool_calls"):
+        tc = r["tool_calls"]
+        row("Valid constrained tool calls:", f"{tc['valid']} / {tc['answered']}")
     lines.append("=" * _W)
     return "\n".join(lines)
 

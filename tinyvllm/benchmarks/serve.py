@@ -217,6 +217,7 @@ class _Runner:
         extra_body: dict | None,
         headers: dict[str, str],
         pbar: Any,
+        agent_tool_calls: bool = False,
     ):
         self.client, self.url, self.model, self.chat = client, url, model, chat
         self.sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -225,6 +226,8 @@ class _Runner:
         self.temperature, self.ignore_eos, self.extra_body = temperature, ignore_eos, extra_body
         self.headers = headers
         self.pbar = pbar
+        # Agent turns answered by a grammar-constrained JSON tool call (structured_outputs.json).
+        self.tool_call_body = {"structured_outputs": {"json": ds.tool_call_schema()}} if agent_tool_calls else None
         self.records: list[RequestRecord] = []
         self.t0 = time.perf_counter()
 
@@ -233,14 +236,17 @@ class _Runner:
             return False
         return self.max_requests is None or len(self.records) < self.max_requests
 
-    async def issue(self, prompt: ds.Prompt, max_tokens: int, **meta: Any) -> RequestRecord | None:
-        """Send one request (after the concurrency gate); None if not sent."""
+    async def issue(self, prompt: ds.Prompt, max_tokens: int, extra: dict | None = None,
+                    **meta: Any) -> RequestRecord | None:
+        """Send one request (after the concurrency gate); None if not sent. ``extra``: body fields of
+        this request only."""
         if self.sem is not None:
             async with self.sem:
-                return await self._issue(prompt, max_tokens, **meta)
-        return await self._issue(prompt, max_tokens, **meta)
+                return await self._issue(prompt, max_tokens, extra, **meta)
+        return await self._issue(prompt, max_tokens, extra, **meta)
 
-    async def _issue(self, prompt: ds.Prompt, max_tokens: int, **meta: Any) -> RequestRecord | None:
+    async def _issue(self, prompt: ds.Prompt, max_tokens: int, extra: dict | None = None,
+                     **meta: Any) -> RequestRecord | None:
         if not self.may_issue():
             return None
         rec = RequestRecord(request_id=len(self.records), max_tokens=max_tokens, **meta)
@@ -252,7 +258,7 @@ class _Runner:
             chat=self.chat,
             temperature=self.temperature,
             ignore_eos=self.ignore_eos,
-            extra_body=self.extra_body,
+            extra_body={**(self.extra_body or {}), **(extra or {})} or None,
         )
         await send_request(
             self.client, self.url, body, rec, chat=self.chat, headers=self.headers, t0=self.t0
@@ -299,10 +305,13 @@ class _Runner:
             for t in range(sess.num_turns):
                 prompt = history + sess.user_block(t)
                 rec = await self.issue(
-                    prompt, sess.max_tokens, session_id=sess.session_id, turn=t, prompt_len=None
+                    prompt, sess.max_tokens, self.tool_call_body, session_id=sess.session_id, turn=t,
+                    prompt_len=None,
                 )
                 if rec is None or not rec.success:
                     return
+                if self.tool_call_body is not None:
+                    rec.tool_call_valid = ds.is_valid_tool_call(rec.generated_text)
                 history = prompt + rec.generated_text
                 if t + 1 < sess.num_turns:
                     await asyncio.sleep(wl.think_time)  # the tool runs
@@ -328,6 +337,7 @@ async def run_benchmark(
     api_key: str | None = None,
     request_timeout: float = 600.0,
     disable_tqdm: bool = True,
+    agent_tool_calls: bool = False,
 ) -> dict[str, Any]:
     """Run one benchmark; returns metrics + config + per-request records.
 
@@ -367,6 +377,7 @@ async def run_benchmark(
             extra_body=extra_body,
             headers=headers,
             pbar=pbar,
+            agent_tool_calls=agent and agent_tool_calls,
         )
         if agent:
             await runner.run_agent(requests, request_rate, seed)
@@ -395,6 +406,9 @@ async def run_benchmark(
     result.update(compute_metrics(records, bench_duration))
     if agent:
         result["per_turn"] = per_turn_stats(records)
+        calls = [r.tool_call_valid for r in records if r.tool_call_valid is not None]
+        if calls:
+            result["tool_calls"] = {"answered": len(calls), "valid": sum(calls)}
     result["requests"] = [r.to_dict() for r in records]
     return result
 
@@ -439,6 +453,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=5, help="agent: turns per session")
     g.add_argument("--user-len", type=int, default=30, help="agent: user message tokens per turn")
     g.add_argument("--tool-result-len", type=int, default=300, help="agent: tool result tokens")
+    g.add_argument("--agent-tool-calls", action="store_true",
+                   help="agent: each answer is a JSON tool call constrained by a grammar (sent as vLLM's "
+                        "structured_outputs.json; the run reports how many parse and follow the schema)")
     g.add_argument("--think-time", type=float, default=1.0,
                    help="agent: seconds between an answer and the next turn (tool runtime)")
 
@@ -565,6 +582,7 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
             api_key=args.api_key,
             request_timeout=args.request_timeout,
             disable_tqdm=args.disable_tqdm,
+            agent_tool_calls=getattr(args, "agent_tool_calls", False),
         )
     )
     # Put dataset info before the metrics for readability.

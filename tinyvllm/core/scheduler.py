@@ -163,7 +163,8 @@ class Scheduler:
 
     def _diagnose_prefix(self, req: Request, num_cached: int) -> None:
         """Classify the request's first prefix-cache lookup (counted by reason); keep a report if asked."""
-        if not self.kv.enable_caching:
+        if not self.kv.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            # No lookup (caching off, or prompt logprobs need every prompt position computed).
             if req.prefix_cache_debug:
                 req.prefix_cache_report = PrefixCacheReport(DISABLED, req.num_tokens // self.block_size, 0,
                                                             self.block_size, 0)
@@ -173,6 +174,9 @@ class Scheduler:
                                                    req.prefix_cache_debug)
         reasons = self.stats.prefix_cache_miss_reasons
         reasons[reason] = reasons.get(reason, 0) + 1
+        if report is not None and req.num_cached_tokens_tier:  # matched blocks span pool and offload tier
+            report.offloaded_tokens = req.num_cached_tokens_tier
+            report.cached_tokens -= req.num_cached_tokens_tier
         req.prefix_cache_report = report
         self.prefix_diag.record_chain(hashes, req.all_token_ids)
 

@@ -52,7 +52,7 @@ class PrefixCacheReport(msgspec.Struct, array_like=True, omit_defaults=True):
         matched_blocks: leading blocks served from the cache.
         block_size: tokens per block.
         cached_tokens: tokens served from the in-pool prefix cache (``matched_blocks * block_size``).
-        offloaded_tokens: tokens served from an offload tier (0 until one exists).
+        offloaded_tokens: tokens served from the KV offload tier (``--kv-offload-size``).
         diverged_at_token: ``prefix_changed``: index of the first prompt token that differs
             from the recently seen prompt; else -1.
         common_token_ids: up to 16 tokens just before the divergence (shared by both prompts).

@@ -8,8 +8,7 @@ preemption included) and ``prefill_tokens_cached`` (served from the prefix cache
 
 ``usage.prefix_cache`` (one prompt; a list for a completions request with
 several): ``reason``, ``matched_blocks`` / ``num_full_blocks``, ``block_size``,
-``cached_tokens`` per tier (``pool``; ``offload`` is 0 until an offload tier
-exists) and, for ``prefix_changed``, ``diverged_at_token`` with the decoded text
+``cached_tokens`` per tier (``pool``, and ``offload``: the KV offload tier's part) and, for ``prefix_changed``, ``diverged_at_token`` with the decoded text
 around it: ``text_before`` (shared), ``text_after`` (this prompt) and
 ``previous_text_after`` (the earlier prompt). See :mod:`tinyvllm.metrics.kv_stats`.
 """
