@@ -9,48 +9,29 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from test_server import MODEL, START_TIMEOUT_S, ServerProc, _free_port, _pid_alive
+from server_utils import MODEL, Server, pid_alive
 
 BS = 16
 
 
 def _start(tmp_path, name, offload_dir):
-    port = _free_port()
-    log_path = tmp_path / f"{name}.log"
-    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--dtype", "bfloat16", "--port", str(port),
-           "--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--kv-offload-size", "32MiB",
-           "--kv-offload-path", str(offload_dir)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    srv = ServerProc(proc, port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with code {proc.returncode} during start-up:\n{srv.log_tail()}")
-        try:
-            r = httpx.get(srv.base + "/health", timeout=2)
-            if r.status_code == 200:
-                srv.core_pid = r.json()["engine_core_pid"]
-                return srv
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{srv.log_tail()}")
-        time.sleep(0.5)
+    srv = Server(tmp_path / f"{name}.log", ["--max-model-len", "1024", "--kv-cache-memory", "64MiB",
+                                            "--kv-offload-size", "32MiB", "--kv-offload-path", str(offload_dir)])
+    try:
+        return srv.wait_healthy()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
 
 
 def _kill(srv):
     for pid in (srv.proc.pid, srv.core_pid):
-        if pid and _pid_alive(pid):
+        if pid and pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
     srv.proc.wait(10)
 

@@ -8,12 +8,7 @@ One server for the module (greedy decoding unless a test says otherwise).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from typing import Literal
 
 import httpx
@@ -22,10 +17,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from test_server import ServerProc, _free_port, _pid_alive
+from server_utils import Server
 
 MODEL = "SmolLM2-135M-Instruct"
-START_TIMEOUT_S = 240
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -46,40 +40,16 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
-           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
-           "--tool-call-parser", "hermes"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    srv = ServerProc(proc, port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with code {proc.returncode} during start-up:\n{srv.log_tail()}")
-        try:
-            r = httpx.get(srv.base + "/health", timeout=2)
-            if r.status_code == 200:
-                srv.core_pid = r.json()["engine_core_pid"]
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{srv.log_tail()}")
-        time.sleep(0.5)
+    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
+                 ["--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
+                  "--tool-call-parser", "hermes"])
+    try:
+        srv.wait_healthy()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
     yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if srv.core_pid and _pid_alive(srv.core_pid):
-        os.kill(srv.core_pid, signal.SIGKILL)
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
