@@ -13,10 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_utils import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300
@@ -34,42 +31,17 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
-           "--port", str(port), "--max-model-len", "1024", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited during start-up:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
-    yield base
-    proc.send_signal(signal.SIGTERM)
+    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
+                 ["--max-model-len", "1024", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"])
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
+        srv.wait_healthy(START_TIMEOUT_S)
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
+    yield srv.base
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

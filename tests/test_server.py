@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,18 +22,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from server_utils import free_port as _free_port
+from server_utils import pid_alive as _pid_alive
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 16
 MAX_WAITING = 20
 START_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:
@@ -50,21 +45,6 @@ class ServerProc:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); treat it as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

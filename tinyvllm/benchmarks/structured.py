@@ -281,7 +281,6 @@ def main_structured(args: argparse.Namespace, engine_args: EngineArgs, make_llm:
         print(f"decode step, batch {o['batch_size']}: unconstrained {o['median_step_ms']['unconstrained']:.2f} ms, "
               f"every row constrained {o['median_step_ms']['constrained']:.2f} ms (median; "
               f"ratio {o['ratio_median']:.3f}, mean ratio {o['ratio_mean']:.3f}; steps {o['num_steps']})")
-    if "overhead" not in args.skip:
         m = res["mask_cost"] = run_mask_cost(llm, args.batch_size)
         print(f"bitmask work per constrained step, batch {m['batch_size']} (min of 30): fill "
               f"{m['fill_bitmask_ms']:.2f} ms + apply {m['apply_bitmask_ms']:.2f} ms = {m['total_ms']:.2f} ms")
