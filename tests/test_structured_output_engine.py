@@ -89,22 +89,36 @@ def _valid(so: SO, out: str) -> bool:
 # ----------------------------------------------------------------------------- units
 
 
-def test_apply_token_bitmask_matches_xgrammar_and_leaves_other_rows_alone():
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("vocab", [100, 49152 + 7])  # not a multiple of 32 or 16; a real vocabulary's width
+def test_apply_token_bitmask_matches_xgrammar_and_leaves_other_rows_alone(path, vocab):
     import xgrammar as xgr
 
+    from tinyvllm.kernels.cpu import cpu_kernels
+    from tinyvllm.sample.sampler import apply_token_bitmask_torch
+
+    if path == "kernel" and cpu_kernels() is None:
+        pytest.skip("no C++ kernels on this machine (tests/test_kernel_build.py says whether that is expected)")
+    apply = apply_token_bitmask if path == "kernel" else apply_token_bitmask_torch
     torch.manual_seed(0)
-    vocab = 100  # not a multiple of 32; the bitmask is 4 words = 128 bits wide
+    words = (vocab + 31) // 32
     logits = torch.randn(5, vocab)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32)
-    ours = apply_token_bitmask(logits.clone(), bitmask, torch.tensor([3, 1]))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32)
+    bitmask[1, 1:] = 0  # a grammar-like row: almost everything forbidden
+    ours = apply(logits.clone(), bitmask, torch.tensor([3, 1]))
     ref = logits.clone()
-    full = torch.full((5, 4), -1, dtype=torch.int32)  # xgrammar's indices name rows of both tensors
+    full = torch.full((5, words), -1, dtype=torch.int32)  # xgrammar's indices name rows of both tensors
     full[3], full[1] = bitmask[0], bitmask[1]
     xgr.apply_token_bitmask_inplace(ref, full, indices=[3, 1])
     assert torch.equal(ours, ref)
+    assert torch.isinf(ours[1]).sum() == vocab - int(bin(int(bitmask[1, 0]) & 0xFFFFFFFF).count("1"))
     assert torch.equal(ours[[0, 2, 4]], logits[[0, 2, 4]])  # unconstrained rows: bit-for-bit
+    # rows=None: bitmask row r applies to logits row r.
+    first = apply(logits.clone(), bitmask)
+    assert torch.equal(first[:2], ref[[3, 1]].where(torch.isinf(ref[[3, 1]]), logits[:2]))
+    assert torch.equal(first[2:], logits[2:])
     # Logits wider than the bitmask: the tail is forbidden.
-    wide = apply_token_bitmask(torch.zeros(1, 40), torch.full((1, 1), -1, dtype=torch.int32))
+    wide = apply(torch.zeros(1, 40), torch.full((1, 1), -1, dtype=torch.int32))
     assert torch.isinf(wide[0, 32:]).all() and not torch.isinf(wide[0, :32]).any()
 
 
@@ -323,3 +337,26 @@ def test_the_grammar_cache_is_bounded():
     assert mgr.num_compiles == 3  # "a" stayed (recently used), "b" was dropped
     mgr.grammar_for(SO(regex="b"), [EOS]).wait(30)
     assert mgr.num_compiles == 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux semantics")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_the_compile_thread_runs_at_a_lower_priority(nice, monkeypatch):
+    import os
+
+    seen: list[int] = []
+
+    def backend():  # runs in the compile thread: read that thread's own nice value there
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return char_backend()
+
+    monkeypatch.setenv("TINYVLLM_GRAMMAR_COMPILE_NICE", str(nice))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    mgr = StructuredOutputManager(backend)
+    g = mgr.grammar_for(SO(regex="a"), [EOS])
+    g.wait(300)  # a low-priority thread on a busy machine can take a while: it returns once compiled
+    assert g.ready and g.error is None
+    assert seen == [min(19, base + nice)]
+    assert mgr.compile_thread_nice == (None if nice == 0 else min(19, base + nice))
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's thread is untouched
+    mgr.shutdown()

@@ -1144,7 +1144,12 @@ bool gemm_has_bf16_kernel();
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias);
 
+// cpu_sample.cpp: the grammar bitmask applied to logits.
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits[rows[r], t] = -inf where bit t of bitmask row r is clear (in place)");
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
         "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
