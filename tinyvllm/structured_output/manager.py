@@ -15,6 +15,7 @@ grammar with the token sampled (:meth:`RequestGrammar.accept_token`). Shapes as 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -97,6 +98,25 @@ class RequestGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def lower_thread_priority(nice: int) -> int | None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: a thread id is a ``PRIO_PROCESS`` target).
+
+    The compile thread runs at a lower priority than the engine's step loop and its OpenMP threads,
+    so on a machine with as many cores as engine threads a compile takes the cycles the engine leaves
+    idle instead of descheduling one thread of a parallel region (which stalls the whole region at
+    its barrier). Returns the thread's new nice value, or None where this is not supported.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return None
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError as e:  # not permitted, or not Linux semantics: compile at normal priority
+        logger.debug("grammar compile thread keeps its priority: %s", e)
+        return None
+
+
 class StructuredOutputManager:
     """Compiles constraints in a background thread and builds each step's bitmask.
 
@@ -104,9 +124,16 @@ class StructuredOutputManager:
         backend_factory: builds the :class:`XgrammarBackend` (loads the tokenizer); called once, in
             the compile thread, at the first constrained request.
         max_cached_grammars: compiled grammars kept for reuse (least recently used dropped first).
+        compile_nice: added to the compile thread's nice value (``TINYVLLM_GRAMMAR_COMPILE_NICE``,
+            19 by default; 0 keeps the engine's priority). See :func:`lower_thread_priority`.
     """
 
-    def __init__(self, backend_factory: BackendFactory, max_cached_grammars: int = 256) -> None:
+    def __init__(self, backend_factory: BackendFactory, max_cached_grammars: int = 256,
+                 compile_nice: int | None = None) -> None:
+        from tinyvllm import envs
+
+        self.compile_nice = envs.TINYVLLM_GRAMMAR_COMPILE_NICE if compile_nice is None else compile_nice
+        self.compile_thread_nice: int | None = None  # the compile thread's nice value once it started
         self._factory = backend_factory
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -122,6 +149,9 @@ class StructuredOutputManager:
                 self._backend = self._factory()
             return self._backend
 
+    def _init_compile_thread(self) -> None:
+        self.compile_thread_nice = lower_thread_priority(self.compile_nice)
+
     def _compile(self, so: StructuredOutputsParams) -> Any:
         self.num_compiles += 1
         return self.backend.compile(so)
@@ -132,7 +162,8 @@ class StructuredOutputManager:
         fut = self._cache.pop(key, None)
         if fut is None or (fut.done() and fut.exception() is not None):
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-grammar")
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="tinyvllm-grammar",
+                                                    initializer=self._init_compile_thread)
             fut = self._executor.submit(self._compile, so)
         self._cache[key] = fut
         while len(self._cache) > self._max_cached:  # requests keep their own reference to theirs
