@@ -130,6 +130,13 @@ def _add_bench_commands(p: argparse.ArgumentParser) -> None:
                          formatter_class=_FMT)
     bench_prefill.add_prefill_args(bp)
     bp.set_defaults(func=lambda a: (bench_prefill.main_prefill(a), 0)[1])
+    from tinyvllm.benchmarks import agent as bench_agent
+
+    bp = bsub.add_parser("agent", help="the multi-turn agent workload in-process: TTFT per turn, prefix-cache hits",
+                         formatter_class=_FMT)
+    EngineArgs.add_cli_args(bp)
+    bench_agent.add_agent_args(bp)
+    bp.set_defaults(func=lambda a: (bench_agent.main_agent(a, EngineArgs.from_cli_args(a), _llm_class()), 0)[1])
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
