@@ -19,7 +19,8 @@ from tinyvllm import envs
 logger = logging.getLogger("tinyvllm")
 _KERNEL: object | None = None
 _KERNEL_TRIED = False
-SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"))
+SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"),
+           Path(__file__).with_name("cpu_gemm_gguf.cpp"))
 
 
 _BUILT_MARKER = "tinyvllm_built"
