@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # torch is imported where it is needed: the API process parse
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATION_MODES = ("auto", "gguf", "none")
 SCHEDULING_POLICIES = ("continuous", "static")
 
 _DTYPES = {  # name -> attribute of torch
@@ -152,6 +153,11 @@ class ModelConfig:
         load_format: ``auto`` (read the ``*.safetensors`` weights) or ``dummy``
             (vLLM's flag: seeded random weights of the shapes ``config.json`` gives;
             the directory needs no weight files; for benchmarks of a model's shape).
+        quantization: ``none`` (the default for now: dequantize at load, the bf16/fp32 path),
+            ``auto`` (a quantized GGUF runs natively when the dtype is bfloat16 on the CPU) or ``gguf``
+            (native GGUF blocks, required: an error if it cannot run). vLLM's flag name. Native is
+            opt-in until it is measured faster at equal quality (its linears are ~2x faster at one
+            row, 7-40 % slower from 8 rows up: docs/benchmarks.md, "Native GGUF").
     """
 
     model: str = DEFAULT_MODEL
@@ -161,9 +167,12 @@ class ModelConfig:
     device: str = "auto"
     enforce_eager: bool = False
     load_format: str = "auto"
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _check_dtype_name(self.dtype)
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         check_device_name(self.device)
@@ -323,6 +332,11 @@ class EngineArgs:
                                "auto: read the model's weights; dummy: seeded random weights of the shapes in "
                                "config.json (a directory with config.json and tokenizer files is enough; for "
                                "benchmarks)", choices=LOAD_FORMATS)
+    quantization: str = _option(ModelConfig.quantization,
+                                "none: dequantize at load (default); auto: a quantized GGUF (Q8_0/Q4_0/Q4_1) runs "
+                                "on its blocks natively when the dtype is bfloat16 on the CPU; gguf: native, or "
+                                "an error",
+                                choices=QUANTIZATION_MODES)
     enable_chunked_prefill: bool = _option(SchedulerConfig.enable_chunked_prefill,
                                            "split prompts longer than the step's remaining token budget",
                                            group=None)

@@ -131,6 +131,7 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
+    quant: Any = None  # a gguf_quant.QuantWeight once quantize() ran (native GGUF blocks)
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # see Embedding.reset_parameters
@@ -142,9 +143,19 @@ class Linear(nn.Linear):
         self._kern = kern
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
+    def quantize(self, w: Any, kern: Any) -> None:
+        """Run on the repacked GGUF blocks ``w`` (:class:`tinyvllm.model.gguf_quant.QuantWeight`, [out, in])
+        with ``kern.gemm_gguf`` (``cpu_gemm_gguf.cpp``) and free the dequantized weight."""
+        self.quant = w
+        self._kern = kern
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
+        if self.quant is not None:
+            q = self.quant
+            return self._kern.gemm_gguf(x, q.qs, q.scales, q.fmt, q.n, q.k, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
 
 
@@ -211,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.lm_head_packed: torch.Tensor | None = None  # tied head packed for the CPU GEMM (pack_for_cpu)
+        self.lm_head_quant: Any = None  # tied head on its GGUF blocks (gguf_quant.attach_gguf_quant)
+        self.quantization = "none"  # "gguf" once gguf_quant.attach_gguf_quant ran
         self._kern: Any = None  # the C++ kernels module, once pack_for_cpu packed the weights
         self.attn_backend: AttentionBackend | None = None
         self._plan: list[tuple] = []  # per layer, the tensors and linear layers forward reads (bind_attn_backend)
@@ -295,9 +308,9 @@ class LlamaForCausalLM(nn.Module):
         if w.device.type != "cpu" or w.dtype != torch.bfloat16 or self.lm_head_packed is not None:
             return False
         for mod in self.modules():
-            if isinstance(mod, Linear) and mod.packed is None:
+            if isinstance(mod, Linear) and mod.packed is None and mod.quant is None:
                 mod.pack(kern)
-        if self.lm_head is None:
+        if self.lm_head is None and self.lm_head_quant is None:
             self.lm_head_packed = kern.gemm_pack_bf16(w.data.contiguous())
         self._kern = kern
         return True
@@ -306,6 +319,9 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32 logits."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.lm_head_quant is not None:
+            q = self.lm_head_quant
+            return self.lm_head_quant_kern.gemm_gguf(hidden, q.qs, q.scales, q.fmt, q.n, q.k, None).float()
         if self.lm_head_packed is not None:
             cfg = self.config
             return self._kern.gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()

@@ -182,12 +182,16 @@ def _save_prepared(path: Path, key: str, model: LlamaForCausalLM, source: Path) 
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu", *,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               load_format: str = "auto", seed: int = 0, quantization: str = "none") -> LlamaForCausalLM:
     """Build a :class:`LlamaForCausalLM` from an HF-style directory of safetensors.
 
     Args:
         load_format: ``auto`` reads ``*.safetensors``; ``dummy`` reads only ``config.json``
             and fills the weights with :func:`init_dummy_weights` (``seed``).
+        quantization: ``none`` (default here), ``auto`` or ``gguf``: whether a model converted from a
+            quantized GGUF runs its linears on the GGUF blocks (:mod:`tinyvllm.model.gguf_quant`,
+            :func:`~tinyvllm.model.gguf_quant.resolve_quantization`). The dequantized prepared file is
+            still what the embedding and norms map; the native linears' pages of it are never read.
 
     The weights are not packed for the CPU GEMM here: binding the C++ attention backend does that
     (:meth:`LlamaForCausalLM.bind_attn_backend`).
@@ -195,6 +199,19 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     Raises:
         ValueError: unsupported config or mismatched weights; unknown ``load_format``.
     """
+    from tinyvllm.model import gguf_quant
+
+    native = gguf_quant.resolve_quantization(quantization, model_dir, dtype, device, load_format)
+    model = _load_dense(model_dir, dtype, device, load_format=load_format, seed=seed)
+    if native is not None:
+        nbytes = gguf_quant.attach_gguf_quant(model, native, strict=quantization == "gguf")
+        if nbytes:
+            logger.info("native GGUF weights (%s): %.1f MiB of quantized blocks", native.name, nbytes / 2**20)
+    return model
+
+
+def _load_dense(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, *, load_format: str,
+                seed: int) -> LlamaForCausalLM:
     from safetensors import safe_open
 
     if load_format not in LOAD_FORMATS:

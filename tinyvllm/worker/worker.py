@@ -69,7 +69,8 @@ class Worker:
         if envs.TINYVLLM_NUM_THREADS > 0:
             torch.set_num_threads(envs.TINYVLLM_NUM_THREADS)
         if model is None:
-            model = load_model(model_dir, self.dtype, device, load_format=mc.load_format, seed=mc.seed)
+            model = load_model(model_dir, self.dtype, device, load_format=mc.load_format, seed=mc.seed,
+                               quantization=mc.quantization)
         model_device = next(model.parameters()).device
         if model_device.type != device.type:
             raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {device}")
@@ -110,6 +111,8 @@ class Worker:
         else:
             mc = self.config.model_config
             extra = {"load_format": mc.load_format, "seed": mc.seed} if mc.load_format == "dummy" else {}
+            if getattr(self.model, "quantization", "none") != "none":  # native GGUF: other KV values
+                extra["quantization"] = self.model.quantization
             fp = make_fingerprint(self.model_dir, self.dtype, runner.block_size, cfg.num_hidden_layers,
                                   int(kv0.shape[3]), int(kv0.shape[4]), extra)
             tier = DiskKVTier(path, num_slots, slot_shape, self.dtype, fp)

@@ -21,7 +21,7 @@ logger = logging.getLogger("tinyvllm")
 _KERNEL: object | None = None
 _KERNEL_TRIED = False
 SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"),
-           Path(__file__).with_name("cpu_sample.cpp"))
+           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"))
 
 
 _BUILT_MARKER = "tinyvllm_built"

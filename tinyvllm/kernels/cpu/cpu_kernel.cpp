@@ -1147,9 +1147,21 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
 // cpu_sample.cpp: the grammar bitmask applied to logits.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
+torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
+                        c10::optional<torch::Tensor> bias);
+torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
+                            int64_t K, c10::optional<torch::Tensor> bias);
+bool gemm_gguf_has_avx512();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask row r is clear (in place)");
+  m.def("gemm_gguf", &gemm_gguf, "y = x @ W^T (+ bias) on repacked GGUF blocks (cpu_gemm_gguf.cpp), batch invariant",
+        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"),
+        py::arg("bias") = py::none());
+  m.def("gemm_gguf_ref", &gemm_gguf_ref, "the portable scalar loop of gemm_gguf (tests)", py::arg("x"),
+        py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
+  m.def("gemm_gguf_has_avx512", &gemm_gguf_has_avx512, "whether gemm_gguf runs the AVX512-BF16 kernel");
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
         "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");

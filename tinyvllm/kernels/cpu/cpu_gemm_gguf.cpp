@@ -1,0 +1,509 @@
+// Batch-invariant linear layer on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1), bf16 activations:
+// y = x @ W^T (+ bias) with W kept in its 4/8-bit blocks, repacked once at load
+// (tinyvllm/model/gguf_quant.py) into the layout below.
+//
+// Interface (bound by the pybind module in cpu_kernel.cpp):
+//
+//   // x: [..., K] bf16 (K a multiple of 32). qs, scales: the repacked weight (layout below) of an
+//   // [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d). Returns [..., N]
+//   // bf16, each element rounded once (RNE) from the fp32 value defined under "Arithmetic".
+//   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
+//   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests, no AVX-512)
+//
+// Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per GGUF
+// block b of 32 k (nb = K/32):
+//   fmt 1 (Q4): qs uint8 [G, nb, 8, 32]; chunk j covers k = 4j..4j+3 of the block;
+//       byte 2c+e (c = column in the group, e = 0/1) = q[c][4j+e] | q[c][4j+2+e] << 4.
+//       scales fp16 [G, nb, 2, 16]: d then m of each column's block.
+//   fmt 0 (Q8): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e].
+//       scales fp16 [G, nb, 1, 16]: d.
+// So one 32-byte load is one or two k-pairs x 16 columns, already in the pair order of the
+// VDPBF16PS B operand (as the bf16 GEMM's VNNI packing, cpu_gemm.cpp).
+//
+// Arithmetic (the same for every row, every M, every tile shape; the scalar reference spells it
+// out): the quantized integers q are converted to bf16 exactly (|q| <= 128), and for each output
+// element (m, n), with fp32 lanes:
+//     acc = 0
+//     for b in 0..nb-1:                      // fixed k order, no split-K
+//         p = 0;  for kp in 0..15: p = dpbf16(p, x[m, 32b+2kp : +2], q[n, 32b+2kp : +2])
+//         acc = fma(p, d[n,b], acc)
+//         if Q4: acc = fma(xs[m,b], m[n,b], acc)    // xs[m,b] = sum of x[m, 32b : 32b+32] (fixed order)
+//     y = bf16_rne(acc (+ bias[n]))
+// i.e. the block factorisation sum_b d_b (x . q)_b + m_b sum(x)_b (the one llama.cpp's
+// ggml_vec_dot_q4_1_q8_1 uses, but with bf16 activations instead of int8-quantized ones, and the
+// weights' exact values d*q+m instead of their bf16 rounding: closer to the float32 dequantized
+// model than the bf16 path). Row m's result depends on nothing but row m and W: batch invariant.
+//
+// Speed: Q4 nibbles -> bf16 words is one vpmovzxbw per two k-pairs and one vpermw table lookup per
+// k-pair (the 16 values 0..15 as bf16), so a decode step streams ~5 bits/weight instead of 16.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#include <immintrin.h>
+#define TINYVLLM_QGEMM_AVX512 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 16;   // columns per group
+constexpr int64_t kQBlock = 32;  // k per GGUF block
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline float bf16_to_f(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+inline int64_t qs_block_bytes(int fmt) { return fmt == 1 ? 256 : 512; }
+inline int64_t sc_block_elems(int fmt) { return fmt == 1 ? 32 : 16; }
+
+// Sum of x[r, 32b : 32b+32] in a fixed order: s = ((x0 + x1) + x2) + ... (scalar, the reference's).
+inline float block_sum_scalar(const uint16_t* x) {
+  float s = 0.0f;
+  for (int i = 0; i < 32; ++i) s += bf16_to_f(x[i]);
+  return s;
+}
+
+// The integer q[n][k] of the repacked weight (reference path).
+inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
+  if (fmt == 1) {
+    const uint8_t* chunk = gq + b * 256 + (k / 4) * 32;
+    const int kk = k % 4;
+    const uint8_t byte = chunk[2 * c + (kk & 1)];
+    return kk < 2 ? (byte & 0xF) : (byte >> 4);
+  }
+  const int8_t* row = reinterpret_cast<const int8_t*>(gq + b * 512 + (k / 2) * 32);
+  return row[2 * c + (k & 1)];
+}
+
+void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint16_t* sc, int fmt,
+              int64_t N, int64_t K, uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_block_elems(fmt);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t g = n / kGroup;
+      const int c = static_cast<int>(n % kGroup);
+      const uint8_t* gq = qs + g * gq_stride;
+      const uint16_t* gs = sc + g * gs_stride;
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xr = x + m * ldx;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          float p = 0.0f;
+          for (int kp = 0; kp < 16; ++kp) {  // VDPBF16PS: odd element first, then even
+            const int k = 2 * kp;
+            p += bf16_to_f(xr[b * 32 + k + 1]) * static_cast<float>(q_at(fmt, gq, b, c, k + 1));
+            p += bf16_to_f(xr[b * 32 + k]) * static_cast<float>(q_at(fmt, gq, b, c, k));
+          }
+          const uint16_t* bs = gs + b * sc_block_elems(fmt);
+          acc = std::fma(p, half_to_f(bs[c]), acc);
+          if (fmt == 1) acc = std::fma(block_sum_scalar(xr + b * 32), half_to_f(bs[16 + c]), acc);
+        }
+        if (bias) acc += bias[n];
+        out[m * N + n] = f_to_bf16(acc);
+      }
+    }
+  });
+}
+
+#if defined(TINYVLLM_QGEMM_AVX512)
+
+inline __m256i cvt_f32_bf16_rne(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// 32 words: bf16 of (i & 15) (vpermw reads 5 index bits; the upper half repeats the lower).
+inline __m512i nibble_table() {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16(static_cast<float>(i & 15));
+  return _mm512_load_si512(t);
+}
+
+// R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4).
+template <int R, int C, int FMT>
+void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
+           const uint8_t* const* gq, const uint16_t* const* gs, uint16_t* __restrict out, int64_t ldo,
+           int64_t ncols, const float* __restrict bias, __m512i table) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* xr[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xr[r] = x + r * ldx;
+
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 p[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
+    if constexpr (FMT == 1) {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        __m512i w[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c)
+          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * 256 + j * 32)));
+#pragma GCC unroll 2
+        for (int half = 0; half < 2; ++half) {
+          __m512i bv[C];
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c)
+            bv[c] = _mm512_permutexvar_epi16(half ? _mm512_srli_epi16(w[c], 4) : w[c], table);
+          const int64_t k = b * 32 + 4 * j + 2 * half;
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, xr[r] + k, sizeof(pair));
+            const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+            for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int kp = 0; kp < 16; ++kp) {
+        __m512i bv[C];
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const int8_t* row = reinterpret_cast<const int8_t*>(gq[c] + b * 512 + kp * 32);
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+          bv[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
+        }
+        const int64_t k = b * 32 + 2 * kp;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xr[r] + k, sizeof(pair));
+          const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
+        }
+      }
+    }
+    // Fold the block: acc = fma(p, d, acc) (Q4: then acc = fma(sum(x)_b, m, acc)).
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* bs = gs[c] + b * (FMT == 1 ? 32 : 16);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
+      __m512 mv = _mm512_setzero_ps();
+      if constexpr (FMT == 1) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16)));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+        if constexpr (FMT == 1) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv, acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t valid = ncols - 16 * c;
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+    }
+  }
+}
+
+using QTileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t* const*,
+                         const uint16_t* const*, uint16_t*, int64_t, int64_t, const float*, __m512i);
+
+template <int FMT>
+QTileFn pick(int r, int c) {  // r <= 2 rows, c <= 4 groups (accumulators + block partials: <= 16 zmm)
+  static const QTileFn fns[2][4] = {{&qtile<1, 1, FMT>, &qtile<1, 2, FMT>, &qtile<1, 3, FMT>, &qtile<1, 4, FMT>},
+                                    {&qtile<2, 1, FMT>, &qtile<2, 2, FMT>, &qtile<2, 3, FMT>, &qtile<2, 4, FMT>}};
+  return fns[r - 1][c - 1];
+}
+
+// Larger M: the panel's integers are converted to bf16 words once per (M block, panel) into a
+// scratch buffer ([nb][16 k-pairs][C][32 words], 64-byte aligned; scales as fp32 [nb][C][2][16]),
+// then tiles of R rows sweep it. The conversion is exact, so a tile reading the scratch runs the
+// very instruction sequence per element of the in-register tile above: same bits (tests).
+template <int R, int C, int FMT>
+void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
+                   const uint16_t* __restrict sw, const float* __restrict sf, uint16_t* __restrict out,
+                   int64_t ldo, int64_t ncols, const float* __restrict bias) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* xr[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xr[r] = x + r * ldx;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 p[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
+    const uint16_t* wb = sw + b * 16 * C * 32;
+#pragma GCC unroll 16
+    for (int kp = 0; kp < 16; ++kp) {
+      __m512i bv[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) bv[c] = _mm512_load_si512(reinterpret_cast<const void*>(wb + (kp * C + c) * 32));
+      const int64_t k = b * 32 + 2 * kp;
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xr[r] + k, sizeof(pair));
+        const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float* bs = sf + (b * C + c) * 32;
+      const __m512 dv = _mm512_load_ps(bs);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+        if constexpr (FMT == 1) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), _mm512_load_ps(bs + 16), acc[r][c]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t valid = ncols - 16 * c;
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+    }
+  }
+}
+
+// Convert groups gq[0..c-1] (all nb blocks) into the scratch layout of qtile_scratch (C slots).
+template <int FMT>
+void convert_panel(const uint8_t* const* gq, const uint16_t* const* gs, int c, int C, int64_t nb,
+                   uint16_t* sw, float* sf, __m512i table) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint16_t* wb = sw + b * 16 * C * 32;
+    for (int i = 0; i < C; ++i) {
+      float* bs = sf + (b * C + i) * 32;
+      if (i >= c) {  // padding slot: zero weights and scales
+        for (int kp = 0; kp < 16; ++kp) _mm512_store_si512(reinterpret_cast<void*>(wb + (kp * C + i) * 32), _mm512_setzero_si512());
+        _mm512_store_ps(bs, _mm512_setzero_ps());
+        _mm512_store_ps(bs + 16, _mm512_setzero_ps());
+        continue;
+      }
+      const uint16_t* s16 = gs[i] + b * (FMT == 1 ? 32 : 16);
+      _mm512_store_ps(bs, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16))));
+      _mm512_store_ps(bs + 16, FMT == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + 16)))
+                                        : _mm512_setzero_ps());
+      if constexpr (FMT == 1) {
+        for (int j = 0; j < 8; ++j) {
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * 256 + j * 32)));
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), _mm512_permutexvar_epi16(w, table));
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32),
+                             _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+        }
+      } else {
+        for (int kp = 0; kp < 16; ++kp) {
+          const int8_t* row = reinterpret_cast<const int8_t*>(gq[i] + b * 512 + kp * 32);
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+          _mm512_store_si512(reinterpret_cast<void*>(wb + (kp * C + i) * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      }
+    }
+  }
+}
+
+using QTileSFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint16_t*, const float*,
+                          uint16_t*, int64_t, int64_t, const float*);
+
+template <int FMT>
+QTileSFn pick_scratch(int r) {
+  switch (r) {
+    case 1: return &qtile_scratch<1, 3, FMT>;
+    case 2: return &qtile_scratch<2, 3, FMT>;
+    case 3: return &qtile_scratch<3, 3, FMT>;
+    default: return &qtile_scratch<4, 3, FMT>;
+  }
+}
+
+constexpr int64_t kSmallM = 2;        // up to this M: in-register tiles of all M rows x 4 groups
+constexpr int64_t kRows = 4;          // larger M: scratch tiles of <= 4 rows x 3 groups
+constexpr int kScratchC = 3;
+constexpr int64_t kMBlockRows = 256;  // larger M: M blocks (Goto "mc") swept over each converted panel
+
+void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs,
+                 const uint16_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  const int64_t G = ceil_div(N, kGroup);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_block_elems(fmt);
+  const __m512i table = nibble_table();
+  const bool tiny = M * N * K < (int64_t{1} << 18);
+  if (M <= kSmallM) {
+    auto body = [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1;) {
+        const int64_t c = std::min<int64_t>(4, u1 - u);
+        const uint8_t* gq[4];
+        const uint16_t* gs[4];
+        for (int64_t i = 0; i < c; ++i) { gq[i] = qs + (u + i) * gq_stride; gs[i] = sc + (u + i) * gs_stride; }
+        const int64_t n0 = u * kGroup;
+        QTileFn fn = fmt == 1 ? pick<1>(static_cast<int>(M), static_cast<int>(c))
+                              : pick<0>(static_cast<int>(M), static_cast<int>(c));
+        fn(x, ldx, xs, nb, gq, gs, out + n0, N, std::min<int64_t>(c * kGroup, N - n0), bias ? bias + n0 : nullptr, table);
+        u += c;
+      }
+    };
+    if (tiny) body(0, G); else at::parallel_for(0, G, 1, body);
+    return;
+  }
+  // Items (M block, panel of kScratchC groups), M block outer: a thread's range converts a panel,
+  // sweeps the M block's row tiles over it, and moves to the next panel.
+  const int64_t panels = ceil_div(G, kScratchC);
+  const int64_t mblocks = ceil_div(M, kMBlockRows);
+  const int64_t sw_elems = nb * 16 * kScratchC * 32, sf_elems = nb * kScratchC * 32;
+  auto body = [&](int64_t i0, int64_t i1) {
+    uint16_t* sw = static_cast<uint16_t*>(std::aligned_alloc(64, sw_elems * 2));
+    float* sf = static_cast<float*>(std::aligned_alloc(64, sf_elems * 4));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t mb = i / panels, pn = i % panels;
+      const int64_t g0 = pn * kScratchC;
+      const int c = static_cast<int>(std::min<int64_t>(kScratchC, G - g0));
+      const uint8_t* gq[kScratchC];
+      const uint16_t* gs[kScratchC];
+      for (int j = 0; j < c; ++j) { gq[j] = qs + (g0 + j) * gq_stride; gs[j] = sc + (g0 + j) * gs_stride; }
+      if (fmt == 1) convert_panel<1>(gq, gs, c, kScratchC, nb, sw, sf, table);
+      else convert_panel<0>(gq, gs, c, kScratchC, nb, sw, sf, table);
+      const int64_t n0 = g0 * kGroup, ncols = std::min<int64_t>(c * kGroup, N - n0);
+      const int64_t mlo = mb * kMBlockRows, mhi = std::min<int64_t>(M, mlo + kMBlockRows);
+      const int64_t mtiles = ceil_div(mhi - mlo, kRows);
+      for (int64_t t = 0; t < mtiles; ++t) {  // near-equal tiles (e.g. 5 rows -> 3 + 2)
+        const int64_t a = mlo + t * (mhi - mlo) / mtiles, e = mlo + (t + 1) * (mhi - mlo) / mtiles;
+        QTileSFn fn = fmt == 1 ? pick_scratch<1>(static_cast<int>(e - a)) : pick_scratch<0>(static_cast<int>(e - a));
+        fn(x + a * ldx, ldx, xs ? xs + a * nb : nullptr, nb, sw, sf, out + a * N + n0, N, ncols,
+           bias ? bias + n0 : nullptr);
+      }
+    }
+    std::free(sw);
+    std::free(sf);
+  };
+  if (tiny) body(0, mblocks * panels); else at::parallel_for(0, mblocks * panels, 1, body);
+}
+
+#endif
+
+struct Prepared {
+  torch::Tensor x2, out, xs, bias_f;
+  int64_t M = 0, ldx = 0;
+  std::vector<int64_t> out_shape;
+};
+
+Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& scales, int64_t fmt, int64_t N,
+                 int64_t K, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "gemm_gguf: fmt must be 0 (Q8_0) or 1 (Q4_0/Q4_1)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "gemm_gguf: x must be a CPU bfloat16 tensor");
+  TORCH_CHECK(K % kQBlock == 0 && x.dim() >= 1 && x.size(-1) == K, "gemm_gguf: x must be [..., K], K % 32 == 0");
+  const int64_t G = ceil_div(N, kGroup), nb = K / kQBlock;
+  TORCH_CHECK(qs.is_contiguous() && qs.numel() * qs.element_size() == G * nb * qs_block_bytes(fmt),
+              "gemm_gguf: qs size does not match (N, K, fmt)");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+              scales.numel() == G * nb * sc_block_elems(fmt), "gemm_gguf: scales must be float16 matching (N, K, fmt)");
+  Prepared p;
+  p.out_shape.assign(x.sizes().begin(), x.sizes().end());
+  p.out_shape.back() = N;
+  p.x2 = x.dim() == 2 ? x : x.reshape({-1, K});
+  if (p.x2.stride(1) != 1) p.x2 = p.x2.contiguous();
+  p.M = p.x2.size(0);
+  p.ldx = p.M <= 1 ? K : p.x2.stride(0);
+  p.out = torch::empty({p.M, N}, x.options());
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gemm_gguf: bias must have N elements");
+    p.bias_f = bias->reshape({N}).to(at::kFloat).contiguous();
+  }
+  if (fmt == 1 && p.M > 0) {
+    p.xs = torch::empty({p.M, nb}, x.options().dtype(at::kFloat));
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
+    float* xsp = p.xs.data_ptr<float>();
+    const int64_t ldx = p.ldx;
+    at::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < nb; ++b) xsp[m * nb + b] = block_sum_scalar(xp + m * ldx + b * 32);
+    });
+  }
+  return p;
+}
+
+}  // namespace
+
+torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
+                        c10::optional<torch::Tensor> bias) {
+  Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
+  if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
+  const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
+  const float* xsp = p.xs.defined() ? p.xs.data_ptr<float>() : nullptr;
+  const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+#if defined(TINYVLLM_QGEMM_AVX512)
+  gemm_avx512(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
+#else
+  gemm_ref(xp, p.ldx, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+#endif
+  return p.out.view(p.out_shape);
+}
+
+torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
+                            int64_t K, c10::optional<torch::Tensor> bias) {
+  Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
+  if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
+  gemm_ref(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()), p.ldx, p.M,
+           static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+           static_cast<int>(fmt), N, K, reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>()),
+           p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
+  return p.out.view(p.out_shape);
+}
+
+bool gemm_gguf_has_avx512() {
+#if defined(TINYVLLM_QGEMM_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}

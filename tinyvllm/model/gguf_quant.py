@@ -1,0 +1,387 @@
+"""Native GGUF quantized weights (``--quantization gguf``): the linear layers keep their Q8_0 / Q4_0 /
+Q4_1 blocks and run on :func:`gemm_gguf` (``tinyvllm/kernels/cpu/cpu_gemm_gguf.cpp``).
+
+At load, each quantized linear tensor of the GGUF file is repacked once (numpy, vectorised) into the
+kernel's layout: groups of 16 output columns, per GGUF block of 32 k the integers in the VDPBF16PS
+pair order and the fp16 scales split out (layout: the kernel's header comment). The repack is exact:
+:func:`dequantize_packed` gives back the very float32 values ``gguf.quants.dequantize`` gives.
+
+What stays dequantized (bf16): the token embedding table for the lookup (only the rows a step reads
+are touched, through the mapped prepared-weights file); norms. The tied LM head runs natively from the
+embedding's blocks (the embedded SmolLM2: Q8_0).
+
+GGML block formats (llama.cpp ``ggml-common.h``; gguf-py ``gguf/quants.py``), 32 weights per block:
+
+* Q8_0: ``d`` fp16, ``qs`` 32 x int8; ``w = d * q``.
+* Q4_0: ``d`` fp16, ``qs`` 16 bytes; ``q`` = low nibbles (elements 0..15) then high nibbles
+  (16..31); ``w = d * (q - 8)``, run here as Q4 with ``m = -8 d`` (exact in fp16).
+* Q4_1: ``d``, ``m`` fp16, ``qs`` as Q4_0; ``w = d * q + m``.
+
+Other types raise :class:`UnsupportedQuantError` naming the tensor and type (``--quantization none``
+dequantizes them at load).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("tinyvllm")
+
+FMT_Q8 = 0
+FMT_Q4 = 1
+SUPPORTED = ("Q8_0", "Q4_0", "Q4_1")
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+_GROUP = 16
+
+
+class UnsupportedQuantError(ValueError):
+    """A GGUF tensor's type has no native kernel; the message names the tensor and the type."""
+
+
+@dataclass
+class QuantWeight:
+    """A repacked [N, K] GGUF weight for :func:`gemm_gguf`.
+
+    qs: uint8 [G, K/32, 8, 32] (Q4) or int8 [G, K/32, 16, 32] (Q8), G = ceil(N/16);
+    scales: float16 [G, K/32, 2 or 1, 16] (d, then m for Q4); fmt: FMT_Q4 or FMT_Q8;
+    qtype: the GGUF type name it came from.
+    """
+
+    qs: torch.Tensor
+    scales: torch.Tensor
+    fmt: int
+    n: int
+    k: int
+    qtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() * self.qs.element_size() + self.scales.numel() * 2
+
+
+def _blocks(raw: np.ndarray, n: int, k: int, block_bytes: int) -> np.ndarray:
+    if k % 32:
+        raise ValueError(f"row length {k} is not a multiple of 32")
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, block_bytes)
+
+
+def _pad_rows(a: np.ndarray, n: int) -> np.ndarray:
+    pad = (-n) % _GROUP
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return a
+
+
+def repack(raw: np.ndarray, qtype: str, n: int, k: int, name: str = "?") -> QuantWeight:
+    """Repack the raw GGUF bytes of an [n, k] tensor (``reader.tensors[i].data``: uint8 [n, row bytes],
+    rows already in the model's order) into a :class:`QuantWeight`.
+
+    Raises:
+        UnsupportedQuantError: ``qtype`` is not one of :data:`SUPPORTED`.
+    """
+    if qtype == "Q8_0":
+        b = _blocks(raw, n, k, 34)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]            # [n, nb]
+        q = b[..., 2:34].view(np.int8)                              # [n, nb, 32]
+        nb = k // 32
+        q = _pad_rows(q, n).reshape(-1, _GROUP, nb, 16, 2).transpose(0, 2, 3, 1, 4)
+        qs = np.ascontiguousarray(q).reshape(-1, nb, 16, 32)
+        sc = _pad_rows(d, n).reshape(-1, _GROUP, nb).transpose(0, 2, 1)[:, :, None, :]
+        fmt = FMT_Q8
+    elif qtype in ("Q4_0", "Q4_1"):
+        bb = 18 if qtype == "Q4_0" else 20
+        b = _blocks(raw, n, k, bb)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        if qtype == "Q4_1":
+            m = b[..., 2:4].copy().view(np.float16)[..., 0]
+        else:
+            m = (d.astype(np.float32) * -8.0).astype(np.float16)   # exact: a power-of-two multiple
+        nib = b[..., bb - 16:]
+        q = np.concatenate([nib & 0xF, nib >> 4], axis=-1)          # [n, nb, 32] values 0..15
+        nb = k // 32
+        q = _pad_rows(q, n).reshape(-1, _GROUP, nb, 8, 4)
+        byte = q[..., 0:2] | (q[..., 2:4] << 4)                     # [G, 16, nb, 8, 2]
+        qs = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(-1, nb, 8, 32)
+        dm = np.stack([_pad_rows(d, n), _pad_rows(m, n)], axis=-1)  # [Np, nb, 2]
+        sc = dm.reshape(-1, _GROUP, nb, 2).transpose(0, 2, 3, 1)
+        fmt = FMT_Q4
+    else:
+        raise UnsupportedQuantError(
+            f"GGUF tensor {name!r} has type {qtype}, which has no native kernel (supported: "
+            f"{', '.join(SUPPORTED)}); run with --quantization none to dequantize it at load")
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(qs)),
+                       torch.from_numpy(np.ascontiguousarray(sc).astype(np.float16)), fmt, n, k, qtype)
+
+
+def dequantize_packed(w: QuantWeight) -> np.ndarray:
+    """The float32 [n, k] weight a :class:`QuantWeight` holds (``d*q`` or ``d*q + m`` in float32, as
+    ``gguf.quants.dequantize``): a test of the repack."""
+    qs, sc = w.qs.numpy(), w.scales.numpy().astype(np.float32)
+    g, nb = qs.shape[0], qs.shape[1]
+    if w.fmt == FMT_Q8:
+        q = qs.reshape(g, nb, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(g * 16, nb, 32).astype(np.float32)
+        d = sc[:, :, 0, :].transpose(0, 2, 1).reshape(g * 16, nb, 1)
+        out = d * q
+    else:
+        byte = qs.reshape(g, nb, 8, 16, 2).transpose(0, 3, 1, 2, 4)   # [G, 16, nb, 8, 2]
+        q = np.concatenate([byte & 0xF, byte >> 4], axis=-1).reshape(g * 16, nb, 32).astype(np.float32)
+        d = sc[:, :, 0, :].transpose(0, 2, 1).reshape(g * 16, nb, 1)
+        m = sc[:, :, 1, :].transpose(0, 2, 1).reshape(g * 16, nb, 1)
+        out = d * q + m
+    return out.reshape(g * 16, nb * 32)[: w.n]
+
+
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file a converted model directory came from (loader's conversion marker), or None."""
+    from tinyvllm.model.loader import _CONVERSION_MARKER
+
+    marker = Path(model_dir) / _CONVERSION_MARKER
+    try:
+        src = Path(json.loads(marker.read_text())["source"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return src if src.is_file() else None
+
+
+# GGUF tensor name suffix -> (our fused Linear attribute path, row offset kind)
+_LAYER_LINEARS = {
+    "attn_q.weight": ("self_attn.qkv_proj", "q"), "attn_k.weight": ("self_attn.qkv_proj", "k"),
+    "attn_v.weight": ("self_attn.qkv_proj", "v"), "attn_output.weight": ("self_attn.o_proj", None),
+    "ffn_gate.weight": ("mlp.gate_up_proj", "gate"), "ffn_up.weight": ("mlp.gate_up_proj", "up"),
+    "ffn_down.weight": ("mlp.down_proj", None),
+}
+
+
+def _fuse(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack weights along N (Q/K/V, gate/up). Each part's N must be a multiple of 16 (the groups
+    then concatenate) and all must share one format."""
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.fmt for p in parts}) != 1 or any(p.n % _GROUP for p in parts):
+        raise UnsupportedQuantError("fused projections with mixed formats or N not a multiple of 16")
+    return QuantWeight(torch.cat([p.qs for p in parts]), torch.cat([p.scales for p in parts]), parts[0].fmt,
+                       sum(p.n for p in parts), parts[0].k, "+".join(sorted({p.qtype for p in parts})))
+
+
+def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
+    """Parse the GGUF once and repack every supported quantized linear (and the LM head).
+
+    Returns ``{"weights": {"layers.{i}.{attr}" | "lm_head": QuantWeight}, "lm_head_tied": bool,
+    "unsupported": [(tensor name, type)], "quantized": bool}``. A fused projection (Q/K/V, gate/up)
+    with any unsupported or unquantized part is left out (it keeps its dequantized weight).
+    """
+    import gguf
+
+    from tinyvllm.model.loader import _unpermute_qk
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    parts: dict[int, dict[str, dict[str | None, QuantWeight]]] = {}
+    head = embd = None
+    unsupported: list[tuple[str, str]] = []
+    quantized = False
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        is_head = t.name in ("output.weight", "token_embd.weight")
+        rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else None
+        if not is_head and rest not in _LAYER_LINEARS:
+            continue
+        if qtype in ("F32", "F16", "BF16"):
+            continue
+        if qtype not in SUPPORTED:
+            unsupported.append((t.name, qtype))
+            continue
+        k, n = (int(x) for x in t.shape[:2])
+        if is_head:
+            w = repack(t.data, qtype, n, k, t.name)
+            if t.name == "output.weight":
+                head = w
+            else:
+                embd = w
+            continue
+        quantized = True
+        idx = int(t.name.split(".")[1])
+        attr, kind = _LAYER_LINEARS[rest]
+        raw = t.data
+        if kind in ("q", "k"):
+            raw = _unpermute_qk(np.asarray(raw), n_head if kind == "q" else n_kv)
+        parts.setdefault(idx, {}).setdefault(attr, {})[kind] = repack(raw, qtype, n, k, t.name)
+    order = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+    weights: dict[str, QuantWeight] = {}
+    for i, by in parts.items():
+        for attr, d in by.items():
+            need = order.get(attr, (None,))
+            if all(x in d for x in need):
+                weights[f"layers.{i}.{attr}"] = _fuse([d[x] for x in need])
+    tied = head is None
+    if (head if head is not None else embd) is not None:
+        weights["lm_head"] = head if head is not None else embd
+    return {"weights": weights, "lm_head_tied": tied, "unsupported": unsupported, "quantized": quantized}
+
+
+NATIVE_CACHE_VERSION = 1
+
+
+def native_cache_path(gguf_path: str | Path) -> tuple[Path, str]:
+    """Where the repacked weights of ``gguf_path`` are cached (``$TINYVLLM_CACHE/weights``), and their
+    key (resolved path, size, mtime, the layout version, mode ``gguf``)."""
+    import hashlib
+
+    from tinyvllm import envs
+
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    key = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|gguf-native|v{NATIVE_CACHE_VERSION}".encode()).hexdigest()
+    return envs.TINYVLLM_CACHE / "weights" / f"{p.stem}-gguf-native-{key[:16]}.safetensors", key
+
+
+def load_native(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
+    """:func:`_read_gguf`'s result, from the cache file when it is there (mapped: no parse, no repack);
+    otherwise parsed, repacked and written to the cache (temp name + rename; best effort)."""
+    import os
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, key = native_cache_path(gguf_path)
+    if path.is_file():
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                meta = json.loads((fh.metadata() or {}).get("tinyvllm_native", "{}"))
+                if meta.get("key") == key:
+                    weights = {name: QuantWeight(fh.get_tensor(name + ".qs"), fh.get_tensor(name + ".scales"),
+                                                 *e) for name, e in meta["entries"].items()}
+                    return {"weights": weights, "lm_head_tied": meta["lm_head_tied"],
+                            "unsupported": [tuple(u) for u in meta["unsupported"]], "quantized": meta["quantized"]}
+        except Exception as e:  # noqa: BLE001 - corrupt: rebuild
+            logger.warning("native GGUF cache %s unreadable (%s); rebuilding it", path, e)
+    out = _read_gguf(gguf_path, n_head, n_kv)
+    meta = {"key": key, "lm_head_tied": out["lm_head_tied"], "unsupported": out["unsupported"],
+            "quantized": out["quantized"],
+            "entries": {n: [w.fmt, w.n, w.k, w.qtype] for n, w in out["weights"].items()}}
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for n, w in out["weights"].items():
+            tensors[n + ".qs"], tensors[n + ".scales"] = w.qs, w.scales
+        fd, tmp = tempfile.mkstemp(prefix=".native-", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        save_file(tensors, tmp, metadata={"tinyvllm_native": json.dumps(meta)})
+        os.replace(tmp, path)
+        tmp = None
+    except Exception as e:  # noqa: BLE001 - a read-only cache only costs start time
+        logger.warning("cannot write native GGUF cache %s (%s)", path, e)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return out
+
+
+def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+                         load_format: str = "auto") -> Path | None:
+    """The GGUF file to run natively, or None for the dequantized path.
+
+    ``auto``: native when ``model_dir`` was converted from a GGUF whose linears are quantized, the dtype
+    is bfloat16, the device is the CPU and the C++ kernels are built with AVX512-BF16. ``gguf``: the
+    same conditions are required (the kernels' portable scalar loop is used without AVX512-BF16).
+    ``none``: None.
+
+    Raises:
+        ValueError: ``gguf`` where it cannot run (not a quantized GGUF, another dtype or device, no C++
+            kernels), naming what is missing.
+    """
+    if mode == "none" or load_format == "dummy":
+        if mode == "gguf":
+            raise ValueError("quantization='gguf' needs the GGUF's weights; not with load_format='dummy'")
+        return None
+    src = gguf_source(model_dir)
+    why = None
+    if src is None:
+        why = "the model is not a GGUF file"
+    elif dtype != torch.bfloat16:
+        why = f"native GGUF runs bfloat16 activations, not {dtype} (use --dtype bfloat16, or --quantization none)"
+    elif torch.device(device).type != "cpu":
+        why = f"native GGUF kernels run on the CPU, not {device}"
+    else:
+        from tinyvllm.kernels.cpu import cpu_kernels
+
+        kern = cpu_kernels()
+        if kern is None:
+            why = "the C++ CPU kernels are not built"
+        elif not kern.gemm_gguf_has_avx512() and mode == "auto":
+            why = "no AVX512-BF16 (the portable loop is slow; --quantization gguf forces it)"
+    if why is None:
+        return src
+    if mode == "gguf":
+        raise ValueError(f"quantization='gguf' cannot run: {why}")
+    logger.info("GGUF weights dequantized at load (%s)", why)
+    return None
+
+
+def attach_gguf_quant(model: Any, gguf_path: str | Path, *, strict: bool) -> int:
+    """Replace ``model``'s linear weights (and the LM head) by their repacked GGUF blocks
+    (:func:`load_native`: cached after the first load).
+
+    Linears whose GGUF tensors are unquantized (F32/F16/BF16) keep their dequantized weight. With
+    ``strict`` (``--quantization gguf``), a tensor of another quantized type raises; otherwise that
+    linear keeps its dequantized weight (logged: the documented per-tensor fallback).
+
+    Returns:
+        bytes of the quantized weights now used (0: the file has no quantized linears; nothing changed).
+    Raises:
+        UnsupportedQuantError: ``strict`` and an unsupported tensor type (the message names it), or
+            ``strict`` and no quantized linear at all.
+        ValueError: a tensor's shape does not match the model.
+    """
+    from tinyvllm.kernels.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    cfg = model.config
+    q = load_native(gguf_path, cfg.num_attention_heads, cfg.num_key_value_heads)
+    unsupported = q["unsupported"]
+    if unsupported and strict:
+        name, qtype = unsupported[0]
+        raise UnsupportedQuantError(
+            f"GGUF tensor {name!r} has type {qtype}, which has no native kernel (supported: {', '.join(SUPPORTED)}); "
+            f"{len(unsupported)} such tensor(s). Run with --quantization none (or auto) to dequantize them at load")
+    if not q["quantized"]:
+        if strict:
+            raise UnsupportedQuantError(f"GGUF {Path(gguf_path).name} has no quantized linear tensors")
+        return 0
+    if unsupported:
+        logger.warning("GGUF: %d tensor(s) of types without a native kernel are dequantized at load: %s",
+                       len(unsupported), ", ".join(f"{n} ({t})" for n, t in unsupported[:5]))
+    total = 0
+    for name, w in q["weights"].items():
+        if name == "lm_head":
+            continue
+        _, i, attr = name.split(".", 2)
+        lin = model.layers[int(i)].get_submodule(attr)
+        if (w.n, w.k) != (lin.out_features, lin.in_features):
+            raise ValueError(f"GGUF {name}: shape {(w.n, w.k)} != model {(lin.out_features, lin.in_features)}")
+        lin.quantize(w, kern)
+        total += w.nbytes
+    head = q["weights"].get("lm_head")
+    if head is not None:
+        if (head.n, head.k) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"GGUF LM head: shape {(head.n, head.k)} != {(cfg.vocab_size, cfg.hidden_size)}")
+        if model.lm_head is not None and not q["lm_head_tied"]:
+            model.lm_head.quantize(head, kern)
+            total += head.nbytes
+        elif model.lm_head is None and q["lm_head_tied"]:
+            model.lm_head_quant = head
+            model.lm_head_quant_kern = kern
+            total += head.nbytes
+    model.quantization = "gguf"
+    return total
