@@ -155,6 +155,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
         """Requests and KV blocks held by this process and the engine core (its last report)."""
         return engine.tracked_state()
 
+    @app.get("/debug/stats")
+    async def debug_stats() -> dict:
+        """The engine core's last :class:`~tinyvllm.metrics.stats.SchedulerStats` (gauges and counters
+        since start, e.g. ``decode_tokens``): what a test reads to prove an abort stopped the work."""
+        return engine.stats.as_dict()
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         engine.reset_prefix_cache()
