@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +190,26 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _bind(host: str, port: int, port_file: str | None = None) -> socket.socket:
+    """The server's listening socket, bound here (as uvicorn binds it: ``SO_REUSEADDR``) so that port 0 can
+    mean "any free port": the port the kernel chose is then written to ``port_file`` (atomically: the file
+    appears complete or not at all), so a caller learns it without a bind-then-close race.
+    Raises ``OSError`` (e.g. EADDRINUSE) if the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if port_file:
+            tmp = f"{port_file}.tmp{os.getpid()}"
+            Path(tmp).write_text(f"{sock.getsockname()[1]}\n")
+            os.replace(tmp, port_file)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] | None, signals: list[int]) -> int:
     try:
         try:
@@ -217,9 +239,14 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
             server.should_exit = True
 
         engine.on_dead = on_dead
-        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host, args.port,
-                    engine.engine_pid)
-        await server.serve()
+        try:
+            sock = _bind(args.host, args.port, getattr(args, "port_file", None))
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+            return 1
+        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host,
+                    sock.getsockname()[1], engine.engine_pid)
+        await server.serve(sockets=[sock])
         return 0 if server.started and not died else 1
     finally:
         await engine.shutdown()
