@@ -17,10 +17,13 @@ MODEL = "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def bound_socket() -> socket.socket:
+    """A listening-ready TCP socket on 127.0.0.1 bound to a port the kernel chose (port 0): hand it to the
+    server that uses it (``uvicorn.Server.run(sockets=[sock])``), so no other process can take the port
+    between choosing and binding it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,20 +47,37 @@ def rss_bytes(pid: int) -> int:
 
 
 class Server:
-    """A ``tinyvllm serve`` subprocess on a free port; ``core_pid`` once healthy."""
+    """A ``tinyvllm serve`` subprocess; ``core_pid`` once healthy.
+
+    The server binds port 0 itself and writes the port it got to ``--port-file``: :attr:`port` reads it
+    (no bind-then-close race with other processes)."""
 
     def __init__(self, log_path: Path, extra_args: list[str], env: dict[str, str] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+                 headers: dict[str, str] | None = None, new_session: bool = False) -> None:
+        self.port_file = log_path.with_name(log_path.name + ".port")
+        self.port_file.unlink(missing_ok=True)
+        self._port: int | None = None
         self.log_path = log_path
         self.headers = headers or {}
         cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
-               "--port", str(self.port), *extra_args]
+               "--port", "0", "--port-file", str(self.port_file), *extra_args]
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
         with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+            # new_session: its own process group, as a terminal's foreground job (a Ctrl-C goes to the group)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=new_session)
         self.core_pid: int | None = None
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (read from its port file; ``FileNotFoundError`` before it bound)."""
+        if self._port is None:
+            self._port = int(self.port_file.read_text())
+        return self._port
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -71,6 +91,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode}:\n{self.log_tail()}")
             try:
+                if not self.port_file.exists():  # not listening yet (the port file is written once bound)
+                    raise httpx.ConnectError("no port yet")
                 r = httpx.get(self.base + "/health", timeout=2)
                 if r.status_code == 200:
                     self.core_pid = r.json()["engine_core_pid"]

@@ -243,7 +243,8 @@ def test_errors_counted(server):
     assert any("HTTP 400" in r["error"] for r in bad)
     assert any("stream error" in r["error"] for r in bad)
     assert res["total_output_tokens"] == 8  # only successful requests count
-    assert res["mean_ttft_ms"] is not None
+    ok_ttft_ms = [r["ttft"] * 1000 for r in res["requests"] if r["success"]]
+    assert len(ok_ttft_ms) == 4 and res["mean_ttft_ms"] == pytest.approx(sum(ok_ttft_ms) / 4)  # errors excluded
 
 
 def test_connection_error_recorded():

@@ -19,7 +19,7 @@ import types
 import httpx
 import pytest
 
-from server_utils import Server, free_port
+from server_utils import Server, bound_socket
 
 MAX_MODEL_LEN = 512
 BODY_CAP = 8_000_000
@@ -252,9 +252,10 @@ def stub_server():
         async def boom() -> dict:
             raise RuntimeError("kaboom")
 
-        port = free_port()
+        sock = bound_socket()
+        port = sock.getsockname()[1]
         srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-        th = threading.Thread(target=srv.run, daemon=True)
+        th = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
         th.start()
         while not srv.started:
             time.sleep(0.01)
@@ -381,3 +382,23 @@ def test_logit_bias_over_http(server):
     assert forced == _post(server, "/detokenize", {"tokens": [1234] * 3}).json()["prompt"]
     for bias, in [({"1234": 101},), ({"abc": 1},), ({str(10**7): 1},)]:
         _assert_error(_post(server, "/v1/completions", {**body, "logit_bias": bias}), 400, "logit_bias")
+
+
+def test_bind_port_zero_reports_the_port(tmp_path):
+    """``serve --port 0 --port-file F``: the server binds a port the kernel picks and writes it to F (what
+    tests/server_utils.Server reads); an address in use is an ``OSError`` (logged, exit code 1)."""
+    from tinyvllm.entrypoints.openai.api_server import _bind
+
+    port_file = tmp_path / "port"
+    sock = _bind("127.0.0.1", 0, str(port_file))
+    try:
+        port = int(port_file.read_text())
+        assert port == sock.getsockname()[1] != 0
+        sock.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+        with pytest.raises(OSError):
+            _bind("127.0.0.1", port)
+        assert list(tmp_path.iterdir()) == [port_file]  # no temporary file left behind
+    finally:
+        sock.close()

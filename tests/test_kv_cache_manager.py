@@ -55,8 +55,35 @@ def test_hash_is_chained_and_deterministic():
     assert b != hash_block_tokens(hash_block_tokens(None, [1, 2, 0]), [4, 5, 6])
     assert hash_block_tokens(None, [1], extra="lora-1") != hash_block_tokens(None, [1])
     assert hash_block_tokens(0, [1]) != hash_block_tokens(None, [1])
-    # No Python hash() involved: a fixed input has a fixed value across processes.
     assert hash_block_tokens(None, [1, 2, 3]) == a
+
+
+_HASH_CHAIN_SRC = """
+from tinyvllm.core.kv_cache_manager import hash_block_tokens
+h = None
+for i, extra in enumerate([None, "salt-A", ("lora", "x"), None]):
+    h = hash_block_tokens(h, [i, 2**40 + i, -i, 49151], extra=extra)
+    print(h)
+"""
+
+
+def test_hash_is_the_same_in_other_processes():
+    """The hash keys the offload tier's files and a restarted server's cache: another interpreter, with
+    another ``PYTHONHASHSEED`` (which changes Python's ``hash`` of str), computes the same chain."""
+    import os
+    import subprocess
+    import sys
+
+    here = subprocess.run([sys.executable, "-c", _HASH_CHAIN_SRC], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONHASHSEED="1")).stdout.split()
+    other = subprocess.run([sys.executable, "-c", _HASH_CHAIN_SRC], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED="2")).stdout.split()
+    h, mine = None, []
+    for i, extra in enumerate([None, "salt-A", ("lora", "x"), None]):
+        h = hash_block_tokens(h, [i, 2**40 + i, -i, 49151], extra=extra)
+        mine.append(str(h))
+    assert len(mine) == 4 and len(set(mine)) == 4
+    assert here == other == mine
 
 
 # -- allocation --------------------------------------------------------------

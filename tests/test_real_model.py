@@ -65,9 +65,10 @@ def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):
     side's token must be in the other's top-k."""
     outs = smol_llm.generate([{"prompt_token_ids": ids} for ids in chat_ids],
                              SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5))
-    matched = 0
+    matched_per_prompt = []
     for (ref_tokens, ref_tops), out in zip(hf_outputs, outs):
         ours = out.outputs[0]
+        matched = 0
         for i, (a, b) in enumerate(zip(ours.token_ids, ref_tokens)):
             if a != b:
                 assert a in ref_tops[i], f"step {i}: our token {a} not in HF top-5 {ref_tops[i]}"
@@ -79,7 +80,12 @@ def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):
             matched += 1
             # Same token: its logprob agrees to bf16 precision.
             assert abs(ours.logprobs[i][a].logprob - ref_tops[i][b]) < 0.25
-    assert matched >= len(chat_ids)  # not a degenerate comparison
+        matched_per_prompt.append(matched)
+    print("bf16 tokens matching fp32 HF before the first divergence, per prompt:", matched_per_prompt)
+    # Not a degenerate comparison: measured 2026-12-01 (AMX bf16 GEMM): [19, 17, 29, 0, 17, 6] of 32 (sum 88).
+    # A divergence is allowed only at a near-tie (above), but most prompts agree for a good stretch first.
+    assert sum(matched_per_prompt) >= 2 * NUM_TOKENS, matched_per_prompt
+    assert sum(m >= 6 for m in matched_per_prompt) >= len(chat_ids) - 2, matched_per_prompt
 
 
 def test_chat_and_generate_text(smol_llm):

@@ -2,87 +2,40 @@
 (API process + EngineCore process) with the real SmolLM2-135M-Instruct in bfloat16,
 exercised with the official ``openai`` client and raw ``httpx``.
 
-One server is started for the whole module. The last test stops it with SIGTERM
-while streams are in flight.
+One server is started for the whole module; its tests run in any order (each sets up what it needs).
+Signals and process deaths are tested on servers of their own (tests/test_faults.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_utils import free_port as _free_port
-from server_utils import pid_alive as _pid_alive
+from server_utils import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 16
 MAX_WAITING = 20
+BLOCK_SIZE = 16  # the default --block-size
 START_TIMEOUT_S = 240
-
-
-class ServerProc:
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path) -> None:
-        self.proc = proc
-        self.port = port
-        self.log_path = log_path
-        self.base = f"http://127.0.0.1:{port}"
-        self.core_pid: int | None = None
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--dtype", "bfloat16",
-           "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--max-waiting-requests", str(MAX_WAITING), "--kv-cache-memory", "256MiB"]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    srv = ServerProc(proc, port, log_path)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with code {proc.returncode} during start-up:\n{srv.log_tail()}")
-        try:
-            r = httpx.get(srv.base + "/health", timeout=2)
-            if r.status_code == 200:
-                srv.core_pid = r.json()["engine_core_pid"]
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after {START_TIMEOUT_S}s:\n{srv.log_tail()}")
-        time.sleep(0.5)
-    yield srv
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    if srv.core_pid and _pid_alive(srv.core_pid):
-        os.kill(srv.core_pid, signal.SIGKILL)
+    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
+                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+                  "--max-waiting-requests", str(MAX_WAITING), "--kv-cache-memory", "256MiB"])
+    try:
+        yield srv.wait_healthy(START_TIMEOUT_S)
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +43,7 @@ def client(server):
     return openai.OpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _metrics(server: ServerProc) -> dict[str, float]:
+def _metrics(server: Server) -> dict[str, float]:
     text = httpx.get(server.base + "/metrics", timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -103,7 +56,7 @@ def _metrics(server: ServerProc) -> dict[str, float]:
     return out
 
 
-def _metric(server: ServerProc, name: str, **labels: str) -> float:
+def _metric(server: Server, name: str, **labels: str) -> float:
     total = 0.0
     for key, v in _metrics(server).items():
         base = key.split("{", 1)[0]
@@ -114,7 +67,7 @@ def _metric(server: ServerProc, name: str, **labels: str) -> float:
     return total
 
 
-def _wait_idle(server: ServerProc, timeout: float = 10.0) -> tuple[float, float]:
+def _wait_idle(server: Server, timeout: float = 10.0) -> tuple[float, float]:
     deadline = time.monotonic() + timeout
     while True:
         running = _metric(server, "tinyvllm:num_requests_running")
@@ -215,7 +168,7 @@ def test_completion_stream_equals_nonstream(client):
     assert text and full.choices[0].finish_reason in ("length", "stop")
     assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    assert full.usage.prompt_tokens_details.cached_tokens == 0  # under one full block: nothing to hit
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == text
@@ -225,7 +178,8 @@ def test_completion_stream_equals_nonstream(client):
     # Second identical request: its prompt was cached (a full block or more is needed for a hit).
     again = client.completions.create(**dict(kw, prompt="word " * 40))
     again2 = client.completions.create(**dict(kw, prompt="word " * 40))
-    assert again2.usage.prompt_tokens_details.cached_tokens >= 16
+    p = again2.usage.prompt_tokens
+    assert again2.usage.prompt_tokens_details.cached_tokens == (p - 1) // BLOCK_SIZE * BLOCK_SIZE >= BLOCK_SIZE
     assert again.choices[0].text == again2.choices[0].text
 
 
@@ -456,8 +410,30 @@ def test_bad_requests_get_openai_errors(server, client):
 # ----------------------------------------------------------------------------- cancellation
 
 
+ABORT_MAX_TOKENS = MAX_MODEL_LEN - 24  # far more than an aborted request may generate
+BIG_MAX_TOKENS = 600  # MAX_NUM_SEQS samples of this many tokens fit in the KV cache
+
+
+def _decode_tokens(server: Server) -> int:
+    """Decode tokens the engine core has computed since it started (its last stats report)."""
+    return httpx.get(server.base + "/debug/stats", timeout=10).json()["decode_tokens"]
+
+
+def _assert_aborted(server: Server, decode_before: int, num_seqs: int = 1,
+                    max_tokens: int = ABORT_MAX_TOKENS) -> None:
+    """Every request is gone from both processes with its KV blocks freed, and the engine core computed
+    far fewer decode tokens than the aborted sequences asked for: it stopped them, they did not finish
+    on their own (a broken abort runs ``num_seqs * max_tokens`` decode steps before going idle)."""
+    st = server.wait_idle(timeout=120)
+    assert not any(st.values()), st
+    generated = _decode_tokens(server) - decode_before
+    assert 0 < generated < num_seqs * max_tokens // 4, generated
+
+
 def test_disconnect_aborts_and_frees_kv(server):
-    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": 800, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": ABORT_MAX_TOKENS, "ignore_eos": True,
+            "stream": True}
+    before = _decode_tokens(server)
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.base + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -471,22 +447,95 @@ def test_disconnect_aborts_and_frees_kv(server):
                     if len(seen) == 2:
                         break
             assert all('"text"' in line for line in seen), seen
-            assert _metric(server, "tinyvllm:num_requests_running") == 1
-            assert _metric(server, "tinyvllm:kv_cache_used_blocks") >= 1
+            st = server.state()
+            assert st["api_streams"] == 1 and st["core_kv_blocks_used"] >= 1, st
         # leaving the block closes the connection mid-stream
-    assert _wait_idle(server) == (0, 0)
+    _assert_aborted(server, before)
     # non-streaming: the client gives up (timeout) and disconnects
+    before = _decode_tokens(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base + "/v1/completions", json={**body, "stream": False}, timeout=1.5)
-    assert _wait_idle(server) == (0, 0)
-    # chat stream cut after the first chunk
-    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 800, "ignore_eos": True, "stream": True, "n": 2}
+    _assert_aborted(server, before)
+    # chat stream (two samples) cut after the first chunk
+    before = _decode_tokens(server)
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": ABORT_MAX_TOKENS - 40, "ignore_eos": True,
+            "stream": True, "n": 2}
     with httpx.Client(timeout=30) as c:
         with c.stream("POST", server.base + "/v1/chat/completions", json=chat) as r:
             for line in r.iter_lines():
                 if '"content"' in line and '"content":""' not in line:
                     break
-    assert _wait_idle(server) == (0, 0)
+    _assert_aborted(server, before, num_seqs=2, max_tokens=chat["max_tokens"])
+
+
+def test_disconnect_while_queued_removes_the_waiting_request(server):
+    """A request still in the waiting queue (the running batch is full) whose client goes away is aborted
+    there: it leaves the queue and never holds a block; the running batch is not disturbed."""
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as ac:
+            big = {"model": MODEL, "prompt": "Keep going:", "n": MAX_NUM_SEQS, "max_tokens": BIG_MAX_TOKENS,
+                   "ignore_eos": True, "temperature": 1.0, "seed": 3, "stream": True}
+            async with ac.stream("POST", "/v1/completions", json=big) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                queued = asyncio.create_task(ac.post("/v1/completions",
+                                                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}))
+                deadline = time.monotonic() + 30
+                while server.state()["core_waiting"] < 1:
+                    assert time.monotonic() < deadline, f"the request did not queue: {server.state()}"
+                    await asyncio.sleep(0.05)
+                st = server.state()
+                assert (st["core_running"], st["core_waiting"], st["api_streams"]) == (MAX_NUM_SEQS, 1, 2), st
+                used = st["core_kv_blocks_used"]
+                queued.cancel()  # the client disconnects while its request waits
+                with pytest.raises(asyncio.CancelledError):
+                    await queued
+                deadline = time.monotonic() + 30
+                while (st := server.state())["core_waiting"] or st["api_streams"] != 1:
+                    assert time.monotonic() < deadline, f"the queued request was not removed: {st}"
+                    await asyncio.sleep(0.05)
+                assert st["core_running"] == MAX_NUM_SEQS and st["api_output_requests"] == 1, st
+                assert st["core_kv_blocks_used"] >= used  # the big request still runs and grows
+                async for line in lines:  # and its stream still flows
+                    if line.startswith("data: {"):
+                        break
+
+    before = _decode_tokens(server)
+    asyncio.run(run())
+    _assert_aborted(server, before, num_seqs=MAX_NUM_SEQS, max_tokens=BIG_MAX_TOKENS)
+
+
+def test_reset_prefix_cache(server, client):
+    """``POST /reset_prefix_cache`` (vLLM's): with nothing running, the next identical request has 0
+    cached tokens; while a request runs, it answers 200 and resets nothing (as vLLM, which logs that
+    blocks are still in use), so the cache keeps serving hits."""
+    kw = dict(model=MODEL, prompt="reset me " * 30, max_tokens=2, temperature=0)
+    first = client.completions.create(**kw)
+    p = first.usage.prompt_tokens
+    full_blocks_tokens = (p - 1) // BLOCK_SIZE * BLOCK_SIZE  # the last prompt token is always computed
+    assert full_blocks_tokens >= BLOCK_SIZE
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == full_blocks_tokens
+    r = httpx.post(server.base + "/reset_prefix_cache", timeout=10)
+    assert r.status_code == 200
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.choices[0].text == first.choices[0].text
+    # with a request running the reset is refused by the core (blocks are owned): hits survive it
+    body = {"model": MODEL, "prompt": "Count forever:", "max_tokens": ABORT_MAX_TOKENS, "ignore_eos": True,
+            "stream": True}
+    before = _decode_tokens(server)
+    with httpx.Client(timeout=30) as c, c.stream("POST", server.base + "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        assert httpx.post(server.base + "/reset_prefix_cache", timeout=10).status_code == 200
+        during = client.completions.create(**kw)
+        assert during.usage.prompt_tokens_details.cached_tokens == full_blocks_tokens
+    _assert_aborted(server, before)
 
 
 def test_503_when_waiting_queue_full(server, client):
@@ -519,69 +568,39 @@ def test_503_when_waiting_queue_full(server, client):
 
     asyncio.run(run())
     assert _wait_idle(server) == (0, 0)
-    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert ok.choices[0].text is not None
+    ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2 and ok.choices[0].finish_reason == "length"
 
 
-def test_metrics_counters(server):
-    m = _metrics(server)
+def test_metrics_counters(client, server):
+    """The counters move by exactly what this test's own requests did (other tests may run before)."""
+    m0 = _metrics(server)
+    kw = dict(model=MODEL, prompt="metrics " * 24, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    results = [client.completions.create(**kw) for _ in range(2)]
+    streamed = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    usages = [r.usage for r in results] + [streamed[-1].usage]
+    assert _wait_idle(server) == (0, 0)
+    m1 = _metrics(server)
 
-    def get(name):
-        return sum(v for k, v in m.items() if k.split("{")[0] == name)
+    def delta(name, **labels):
+        def total(m):
+            return sum(v for k, v in m.items() if k.split("{")[0] == name
+                       and all(f'{lk}="{lv}"' in k for lk, lv in labels.items()))
+        return total(m1) - total(m0)
 
-    assert get("tinyvllm:time_to_first_token_seconds_count") > 10
-    assert get("tinyvllm:inter_token_latency_seconds_count") > 10
-    assert get("tinyvllm:e2e_request_latency_seconds_count") > 10
-    assert get("tinyvllm:prompt_tokens_total") > 100
-    assert get("tinyvllm:generation_tokens_total") > 100
-    assert get("tinyvllm:prompt_tokens_cached_total") > 0
-    assert sum(v for k, v in m.items() if k.startswith("tinyvllm:request_success_total")
-               and 'finished_reason="length"' in k) > 10
+    p = usages[0].prompt_tokens
+    assert delta("tinyvllm:time_to_first_token_seconds_count") == 3
+    assert delta("tinyvllm:e2e_request_latency_seconds_count") == 3
+    assert 3 <= delta("tinyvllm:inter_token_latency_seconds_count") <= 9  # 3 gaps per request, some merged
+    assert delta("tinyvllm:prompt_tokens_total") == 3 * p
+    assert delta("tinyvllm:generation_tokens_total") == 12 == sum(u.completion_tokens for u in usages)
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[1:] == [(p - 1) // BLOCK_SIZE * BLOCK_SIZE] * 2  # the 2nd and 3rd hit the 1st's blocks
+    assert delta("tinyvllm:prompt_tokens_cached_total") == sum(cached)
+    assert delta("tinyvllm:request_success_total", finished_reason="length") == 3
+    assert delta("tinyvllm:request_success_total", finished_reason="stop") == 0
+    m = m1
+    get = lambda name: sum(v for k, v in m.items() if k.split("{")[0] == name)  # noqa: E731
     assert get("tinyvllm:num_requests_running") == 0 and get("tinyvllm:kv_cache_used_blocks") == 0
     assert get("tinyvllm:kv_cache_usage_perc") == 0
     assert "tinyvllm:num_preemptions_total" in "".join(m)
-
-
-# ----------------------------------------------------------------------------- shutdown (keep last)
-
-
-def test_sigterm_ends_streams_and_exits(server):
-    body = {"model": MODEL, "prompt": "Write a very long essay:", "max_tokens": 900, "ignore_eos": True,
-            "stream": True}
-    outcomes: dict[int, str] = {}
-    started = threading.Barrier(4)
-
-    def stream(i: int) -> None:
-        try:
-            with httpx.Client(timeout=30) as c, c.stream("POST", server.base + "/v1/completions", json=body) as r:
-                first = True
-                for line in r.iter_lines():
-                    if first and line.startswith("data: {"):
-                        first = False
-                        started.wait(timeout=30)
-                    if line.startswith("data: {") and '"error"' in line:
-                        outcomes[i] = "error-event"
-                    elif line == "data: [DONE]":
-                        outcomes[i] = outcomes.get(i, "done") + "+done"
-            outcomes.setdefault(i, "closed")
-        except Exception as e:  # noqa: BLE001 - a closed connection is an acceptable ending too
-            outcomes.setdefault(i, f"exception {type(e).__name__}")
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    started.wait(timeout=60)
-    t0 = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(timeout=15)
-    assert not any(t.is_alive() for t in threads), "a stream hung after SIGTERM"
-    code = server.proc.wait(timeout=15)
-    elapsed = time.monotonic() - t0
-    assert code == 0, server.log_tail()
-    assert elapsed < 12
-    assert sorted(outcomes) == [0, 1, 2]
-    assert all(v.startswith("error-event") for v in outcomes.values()), outcomes
-    assert server.core_pid is not None and not _pid_alive(server.core_pid)
-    log = server.log_tail(20000)
-    assert "Traceback" not in log, log

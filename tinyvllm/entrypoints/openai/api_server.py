@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
         """Requests and KV blocks held by this process and the engine core (its last report)."""
         return engine.tracked_state()
 
+    @app.get("/debug/stats")
+    async def debug_stats() -> dict:
+        """The engine core's last :class:`~tinyvllm.metrics.stats.SchedulerStats` (gauges and counters
+        since start, e.g. ``decode_tokens``): what a test reads to prove an abort stopped the work."""
+        return engine.stats.as_dict()
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         engine.reset_prefix_cache()
@@ -180,6 +188,26 @@ class _Server(uvicorn.Server):
             logger.info("received signal %d: shutting down", sig)
             self._loop.call_soon_threadsafe(self._engine.begin_shutdown)
         super().handle_exit(sig, frame)
+
+
+def _bind(host: str, port: int, port_file: str | None = None) -> socket.socket:
+    """The server's listening socket, bound here (as uvicorn binds it: ``SO_REUSEADDR``) so that port 0 can
+    mean "any free port": the port the kernel chose is then written to ``port_file`` (atomically: the file
+    appears complete or not at all), so a caller learns it without a bind-then-close race.
+    Raises ``OSError`` (e.g. EADDRINUSE) if the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        if port_file:
+            tmp = f"{port_file}.tmp{os.getpid()}"
+            Path(tmp).write_text(f"{sock.getsockname()[1]}\n")
+            os.replace(tmp, port_file)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] | None, signals: list[int]) -> int:
@@ -211,9 +239,14 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
             server.should_exit = True
 
         engine.on_dead = on_dead
-        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host, args.port,
-                    engine.engine_pid)
-        await server.serve()
+        try:
+            sock = _bind(args.host, args.port, getattr(args, "port_file", None))
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+            return 1
+        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host,
+                    sock.getsockname()[1], engine.engine_pid)
+        await server.serve(sockets=[sock])
         return 0 if server.started and not died else 1
     finally:
         await engine.shutdown()

@@ -12,7 +12,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """HTTP server flags (vLLM's names), with the server-only engine options (``--max-waiting-requests``)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port, logged)")
+    g.add_argument("--port-file", default=None, metavar="PATH",
+                   help="write the port listened on to PATH once bound (with --port 0: how a caller learns it)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model is served under (none: the model's name); the first is reported")
     EngineArgs.add_cli_args(g, group="server")
