@@ -1143,8 +1143,10 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w);
 bool gemm_has_bf16_kernel();
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias);
+void gemm_amx_bind(pybind11::module& m);  // cpu_gemm_amx.cpp: set_amx_gemm, has_amx_gemm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  gemm_amx_bind(m);
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
         "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
