@@ -266,22 +266,30 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
     return;
   }
 
-  // Prefill: items (M block, 64-column block), M-block major, from a shared counter.
+  // Prefill: items (M block, column piece), M-block major, from a shared counter. A piece is a
+  // whole 64-column block, or half of one when there are few items (N = 576 at M <= 256 gives 9
+  // blocks: halves split them 9/9 over 2 threads instead of 5/4).
   const int64_t mblocks = ceil_div(mtiles, kMBlockTiles);
-  const int64_t items = mblocks * nblocks;
+  const int64_t nthreads_max = at::get_num_threads();
+  const int64_t per_block = mblocks * nblocks < 8 * nthreads_max ? 2 : 1;
+  const int64_t pieces = nblocks * per_block, piece_tiles = 4 / per_block;
+  const int64_t items = mblocks * pieces;
   std::atomic<int64_t> next{0};
   auto body = [&](int64_t, int64_t) {
     alignas(64) static thread_local float spill[kMBlockTiles * kTileRows * kBlockN];
     configure_tiles();
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t mb = it / nblocks, nb = it % nblocks;
+      const int64_t mb = it / pieces, pc = it % pieces;
+      const int64_t nb = pc / per_block, c0 = (pc % per_block) * piece_tiles;
       const int64_t t0 = mb * kMBlockTiles, t1 = std::min<int64_t>(mtiles, t0 + kMBlockTiles);
-      const int nc = static_cast<int>(ceil_div(std::min<int64_t>(kBlockN, N - nb * kBlockN), 16));
-      piece(spill, nb, 0, nc, t0, t1);
+      const int64_t n0 = nb * kBlockN + c0 * 16;
+      if (n0 >= N) continue;  // the empty second half of a narrow last block
+      const int nc = static_cast<int>(std::min<int64_t>(piece_tiles, ceil_div(N - n0, 16)));
+      piece(spill, nb, c0, nc, t0, t1);
     }
     _tile_release();
   };
-  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t nthreads = std::min<int64_t>(nthreads_max, items);
   if (tiny || nthreads <= 1) body(0, 1); else at::parallel_for(0, nthreads, 1, body);
 #else
   (void)x; (void)ldx; (void)M; (void)packed; (void)N; (void)Kp; (void)out; (void)bias;
