@@ -233,11 +233,22 @@ def test_rms_norm_matches_reference_and_paths_agree(dtype, hidden):
 
 
 GEMM_SHAPES = [(960, 576), (576, 1536), (100, 96), (48, 64), (17, 7), (130, 1), (200, 333)]
+GEMM_PATHS = ["amx", "dpbf16"] if KERN is not None and KERN.has_amx_gemm() else ["default"]
+
+
+@pytest.fixture(params=GEMM_PATHS)
+def gemm_path(request):
+    """amx: gemm_bf16 on AMX tiles (cpu_gemm_amx.cpp); dpbf16: the VDPBF16PS kernel (cpu_gemm.cpp);
+    default: whichever this CPU has (no AMX here)."""
+    if request.param != "default":
+        KERN.set_amx_gemm(request.param == "amx")
+    yield request.param
+    KERN.set_amx_gemm(True)
 
 
 @pytest.mark.parametrize("n,k", GEMM_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemm_bf16_matches_float_reference(n, k, bias):
+def test_gemm_bf16_matches_float_reference(n, k, bias, gemm_path):
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
@@ -252,21 +263,50 @@ def test_gemm_bf16_matches_float_reference(n, k, bias):
         assert ((out.double() - ref).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 96), (17, 7)])
-def test_gemm_bf16_rows_are_batch_invariant(n, k):
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (100, 96), (17, 7), (200, 333)])
+def test_gemm_bf16_rows_are_batch_invariant(n, k, gemm_path):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g).bfloat16()
     packed = KERN.gemm_pack_bf16(w)
     x = torch.randn(400, k, generator=g).bfloat16()  # > 192 rows: several M blocks
     full = KERN.gemm_bf16(x, packed, n, k, b)
-    for m in (1, 2, 5, 6, 7, 12, 13, 31, 64, 97, 149, 193, 399):
+    for m in (1, 2, 5, 6, 7, 12, 13, 15, 16, 17, 31, 64, 97, 149, 193, 255, 256, 257, 399):
         assert torch.equal(KERN.gemm_bf16(x[:m], packed, n, k, b), full[:m]), f"prefix of {m} rows differs"
         assert torch.equal(KERN.gemm_bf16(x[-m:], packed, n, k, b), full[-m:]), f"suffix of {m} rows differs"
     perm = torch.randperm(400, generator=g)
     assert torch.equal(KERN.gemm_bf16(x[perm], packed, n, k, b), full[perm])
     for i in (0, 5, 77, 149, 250, 399):
         assert torch.equal(KERN.gemm_bf16(x[i:i + 1], packed, n, k, b)[0], full[i])
+    # a row strided inside a wider buffer (the fused QKV slices) and a single thread: same bits
+    wide = torch.zeros(400, k + 40, dtype=torch.bfloat16)
+    wide[:, 8:8 + k] = x
+    assert torch.equal(KERN.gemm_bf16(wide[:, 8:8 + k], packed, n, k, b), full)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(KERN.gemm_bf16(x, packed, n, k, b), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(KERN is None or not KERN.has_amx_gemm(), reason="no AMX-BF16 here")
+def test_gemm_amx_switch_selects_another_kernel():
+    """set_amx_gemm really routes gemm_bf16: AMX sums each 32-product chunk in its own order, so on a
+    long K some element differs in the last bit from the VDPBF16PS kernel (each is invariant alone)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(576, 1536, generator=g).bfloat16()
+    x = torch.randn(64, 1536, generator=g).bfloat16()
+    packed = KERN.gemm_pack_bf16(w)
+    try:
+        KERN.set_amx_gemm(True)
+        amx = KERN.gemm_bf16(x, packed, 576, 1536, None)
+        KERN.set_amx_gemm(False)
+        dp = KERN.gemm_bf16(x, packed, 576, 1536, None)
+    finally:
+        KERN.set_amx_gemm(True)
+    assert not torch.equal(amx, dp)
+    torch.testing.assert_close(amx.float(), dp.float(), rtol=2 ** -7, atol=2 ** -7 * float(amx.float().abs().max()))
 
 
 @pytest.mark.skipif(KERN is None or not KERN.has_avx512(), reason="vector kernels not built on this CPU")

@@ -1,6 +1,7 @@
 """The C++ CPU kernels (``cpu_kernel.cpp``: paged attention, fused RoPE + KV write + attention, RMSNorm,
-SiLU-and-mul; ``cpu_gemm.cpp``: the batch-invariant bf16 GEMM on packed weights; ``cpu_sample.cpp``: the
-grammar bitmask applied to logits), built on first use.
+SiLU-and-mul; ``cpu_gemm.cpp``: the batch-invariant bf16 GEMM on packed weights; ``cpu_gemm_amx.cpp``: its AMX
+path; ``cpu_gemm_gguf.cpp``: linears on GGUF blocks; ``cpu_sample.cpp``: the grammar bitmask applied
+to logits), built on first use.
 
 :func:`cpu_kernels` compiles both sources once with ``torch.utils.cpp_extension`` into
 ``$TINYVLLM_CACHE/torch_extensions`` and returns the extension module, or None if it cannot be built.
@@ -21,7 +22,8 @@ logger = logging.getLogger("tinyvllm")
 _KERNEL: object | None = None
 _KERNEL_TRIED = False
 SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"),
-           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"))
+           Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"),
+           Path(__file__).with_name("cpu_gemm_amx.cpp"))
 
 
 _BUILT_MARKER = "tinyvllm_built"

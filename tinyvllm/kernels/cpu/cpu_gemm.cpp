@@ -50,6 +50,11 @@
 #define TINYVLLM_GEMM_AVX512BF16 1
 #endif
 
+// cpu_gemm_amx.cpp: the same GEMM on AMX tiles (TDPBF16PS), used when available and switched on.
+bool gemm_amx_active();
+void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
+              int64_t Kp, uint16_t* out, const float* bias);
+
 namespace {
 
 constexpr int64_t kBlockN = 64;   // columns per packed block (4 zmm of 16 fp32 lanes)
@@ -346,7 +351,8 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
 #if defined(TINYVLLM_GEMM_AVX512BF16)
-  gemm_avx512(xp, ldx, M, wp, N, Kp, op, bias_ptr);
+  if (gemm_amx_active()) gemm_amx(xp, ldx, M, wp, N, Kp, op, bias_ptr);
+  else gemm_avx512(xp, ldx, M, wp, N, Kp, op, bias_ptr);
 #else
   gemm_scalar(xp, ldx, M, wp, N, Kp, op, bias_ptr);
 #endif

@@ -1143,6 +1143,7 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w);
 bool gemm_has_bf16_kernel();
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias);
+void gemm_amx_bind(pybind11::module& m);  // cpu_gemm_amx.cpp: set_amx_gemm, has_amx_gemm
 
 // cpu_sample.cpp: the grammar bitmask applied to logits.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
@@ -1154,6 +1155,7 @@ torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
 bool gemm_gguf_has_avx512();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  gemm_amx_bind(m);
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask row r is clear (in place)");
   m.def("gemm_gguf", &gemm_gguf, "y = x @ W^T (+ bias) on repacked GGUF blocks (cpu_gemm_gguf.cpp), batch invariant",
