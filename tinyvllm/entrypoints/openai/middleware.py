@@ -16,6 +16,7 @@ CORS (``--allowed-origins``) is Starlette's ``CORSMiddleware``, added outside th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import traceback
@@ -61,6 +62,34 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+DRAIN_BYTES_FACTOR = 4  # an oversized body is read and dropped up to this many times the cap ...
+DRAIN_SECONDS = 5.0  # ... or for this long, before the 413 is sent
+
+
+async def drain_body(receive: Receive, max_bytes: int, max_seconds: float = DRAIN_SECONDS) -> None:
+    """Read and drop the rest of a request body, up to ``max_bytes`` bytes or ``max_seconds`` seconds.
+
+    Answering 413 while the client is still sending and then closing the connection leaves unread bytes
+    in the server's receive buffer, so the kernel resets the connection (RFC 1122 4.2.2.13) and the
+    client can lose the response it was sent ("peer closed connection without sending complete message
+    body"). Reading the rest first, within a bound, is the "lingering close" of HTTP servers (RFC 9112
+    9.6); a body past the bound is cut off and the 413 is sent anyway.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + max_seconds
+    drained = 0
+    while drained <= max_bytes:
+        try:
+            message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class GuardMiddleware:
     """Request id, body cap (413) and the single handler of unhandled exceptions (500, one log line).
 
@@ -83,6 +112,7 @@ class GuardMiddleware:
         if limit is not None:
             length = _header(scope, b"content-length")
             if length is not None and length.isdigit() and int(length) > limit:
+                await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
                 await send_error(send, f"request body too large: {int(length)} bytes "
                                        f"(max_request_body_bytes={limit})", 413, [(b"connection", b"close")])
                 return
@@ -105,6 +135,7 @@ class GuardMiddleware:
             if too_large:  # the framework answered the interrupted body read (a 400): answer 413 instead
                 if message["type"] == "http.response.start" and not started:
                     started = True
+                    await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
                     await send_error(send, too_large[0], 413, [(b"connection", b"close")])
                 return
             if message["type"] == "http.response.start":
@@ -115,6 +146,7 @@ class GuardMiddleware:
             await self.app(scope, guarded_receive, tracking_send)
         except BodyTooLarge as e:
             if not started:
+                await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
                 await send_error(send, str(e), 413, [(b"connection", b"close")])
         except Exception as e:  # noqa: BLE001 - the one place unhandled errors end
             logger.error("unhandled error on %s %s (request id %s): %s: %s", scope.get("method"),
