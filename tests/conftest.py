@@ -37,3 +37,10 @@ CHAT_PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "How many legs does a spider have?",
 ]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print the random order's seed at the end, also under ``-q`` (which hides pytest-randomly's header)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
