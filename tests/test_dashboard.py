@@ -15,6 +15,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,8 +83,9 @@ def test_third_block_changed_reports_prefix_changed_with_text(client, tokenizer)
     ids = tokenizer(TEXT)["input_ids"]
     assert len(ids) >= 72
     ids = ids[:72]
-    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
-                                      extra_body={"prefix_cache_debug": True})
+    # A salt of this test's own: another test of the module (any order) may have cached TEXT already.
+    salted = {"prefix_cache_debug": True, "cache_salt": f"prefix-break-{uuid.uuid4().hex}"}
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body=salted)
     pc = _extra(first.usage)["prefix_cache"]
     assert pc["reason"] == "cold" and pc["num_full_blocks"] == 72 // pc["block_size"]
     bs = pc["block_size"]
@@ -91,8 +93,7 @@ def test_third_block_changed_reports_prefix_changed_with_text(client, tokenizer)
     changed = list(ids)
     changed[k] = tokenizer(" zebra", add_special_tokens=False)["input_ids"][0]
     assert changed[k] != ids[k]
-    second = client.completions.create(model=MODEL, prompt=changed, max_tokens=2, temperature=0,
-                                       extra_body={"prefix_cache_debug": True})
+    second = client.completions.create(model=MODEL, prompt=changed, max_tokens=2, temperature=0, extra_body=salted)
     usage = _extra(second.usage)
     pc = usage["prefix_cache"]
     assert pc["reason"] == "prefix_changed"
