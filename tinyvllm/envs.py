@@ -13,6 +13,9 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_GRAMMAR_COMPILE_NICE`` | ``19`` | nice value of the grammar-compile thread (Linux; ``0`` = the engine's own priority): a compile then runs in the engine's idle time instead of taking a core from its parallel regions |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 
+Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
+``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs).
+
 Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
 ``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set),
 ``TRITON_INTERPRET`` (read by triton), ``TOKENIZERS_PARALLELISM``.
