@@ -366,3 +366,26 @@ def test_the_compile_thread_runs_at_a_lower_priority(nice, monkeypatch):
     assert mgr.compile_thread_nice == (None if nice == 0 else min(19, base + nice))
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's thread is untouched
     mgr.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="SCHED_IDLE is a Linux scheduling class")
+@pytest.mark.parametrize("policy", ["idle", "normal"])
+def test_the_compile_thread_runs_in_sched_idle(policy, monkeypatch):
+    import os
+
+    seen: list[int] = []
+
+    def backend():  # runs in the compile thread: read that thread's own scheduling class there
+        seen.append(os.sched_getscheduler(threading.get_native_id()))
+        return char_backend()
+
+    monkeypatch.setenv("TINYVLLM_GRAMMAR_COMPILE_SCHED", policy)
+    caller = os.sched_getscheduler(threading.get_native_id())
+    mgr = StructuredOutputManager(backend)
+    g = mgr.grammar_for(SO(regex="a"), [EOS])
+    g.wait(300)
+    assert g.ready and g.error is None
+    assert seen == [os.SCHED_IDLE if policy == "idle" else caller]
+    assert mgr.compile_thread_idle == (policy == "idle")
+    assert os.sched_getscheduler(threading.get_native_id()) == caller  # the caller's thread is untouched
+    mgr.shutdown()

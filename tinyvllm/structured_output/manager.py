@@ -117,6 +117,26 @@ def lower_thread_priority(nice: int) -> int | None:
         return None
 
 
+def use_idle_scheduling() -> bool:
+    """Put the calling thread in Linux's ``SCHED_IDLE`` class; returns whether it is there now.
+
+    A nice value alone is not enough on an EEVDF kernel (Linux 6.6+): a woken OpenMP worker of the
+    engine can wait for the nice-19 compile thread's slice to run out (milliseconds) before it gets
+    its core back, and a step's parallel regions pay that at every barrier. A ``SCHED_IDLE`` thread
+    is preempted at once by any normal thread that wakes (``check_preempt_wakeup_fair`` in the
+    kernel's ``fair.c``), so the compile only ever uses cycles the engine leaves idle.
+    """
+    if not hasattr(os, "sched_setscheduler") or not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        tid = threading.get_native_id()  # Linux: a thread id is a valid sched_setscheduler target
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return os.sched_getscheduler(tid) == os.SCHED_IDLE
+    except OSError as e:
+        logger.debug("grammar compile thread keeps its scheduling class: %s", e)
+        return False
+
+
 class StructuredOutputManager:
     """Compiles constraints in a background thread and builds each step's bitmask.
 
@@ -126,14 +146,20 @@ class StructuredOutputManager:
         max_cached_grammars: compiled grammars kept for reuse (least recently used dropped first).
         compile_nice: added to the compile thread's nice value (``TINYVLLM_GRAMMAR_COMPILE_NICE``,
             19 by default; 0 keeps the engine's priority). See :func:`lower_thread_priority`.
+        compile_sched_idle: also put the compile thread in ``SCHED_IDLE``
+            (``TINYVLLM_GRAMMAR_COMPILE_SCHED``: ``idle``, the default, or ``normal``). See
+            :func:`use_idle_scheduling`.
     """
 
     def __init__(self, backend_factory: BackendFactory, max_cached_grammars: int = 256,
-                 compile_nice: int | None = None) -> None:
+                 compile_nice: int | None = None, compile_sched_idle: bool | None = None) -> None:
         from tinyvllm import envs
 
         self.compile_nice = envs.TINYVLLM_GRAMMAR_COMPILE_NICE if compile_nice is None else compile_nice
+        self.compile_sched_idle = (envs.TINYVLLM_GRAMMAR_COMPILE_SCHED == "idle" if compile_sched_idle is None
+                                   else compile_sched_idle)
         self.compile_thread_nice: int | None = None  # the compile thread's nice value once it started
+        self.compile_thread_idle = False  # whether the compile thread runs in SCHED_IDLE
         self._factory = backend_factory
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -151,6 +177,7 @@ class StructuredOutputManager:
 
     def _init_compile_thread(self) -> None:
         self.compile_thread_nice = lower_thread_priority(self.compile_nice)
+        self.compile_thread_idle = self.compile_sched_idle and use_idle_scheduling()
 
     def _compile(self, so: StructuredOutputsParams) -> Any:
         self.num_compiles += 1
