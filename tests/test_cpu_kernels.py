@@ -290,6 +290,34 @@ def test_gemm_bf16_rows_are_batch_invariant(n, k, gemm_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (100, 96), (200, 333), (49, 47)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_bf16_small_m_rows_equal_the_same_rows_in_bigger_batches(n, k, threads, gemm_path):
+    """M = 1..16 (decode) has its own AMX path (tiles configured with M rows, x read in place when K is
+    a multiple of 32, else a zero-padded copy; C held over the whole K): each of its rows, taken at
+    any offset of a strided buffer (the fused QKV slices), equals the same row computed inside an
+    M = 17..40 call (the big-M path), bit for bit, with a bias, on 1 or 2 threads."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = KERN.gemm_pack_bf16(w)
+    wide = torch.randn(40, k + 24, generator=g).bfloat16()
+    x = wide[:, 5:5 + k]  # row stride k + 24
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        big = {m: KERN.gemm_bf16(x[:m], packed, n, k, b) for m in (17, 23, 40)}
+        for m in range(1, 17):
+            for off in sorted({0, 3, 40 - m}):
+                small = KERN.gemm_bf16(x[off:off + m], packed, n, k, b)
+                assert torch.equal(small, big[40][off:off + m]), f"M={m} at row {off} differs from M=40"
+                if off + m <= 17:
+                    assert torch.equal(small, big[17][off:off + m]), f"M={m} at row {off} differs from M=17"
+            assert torch.equal(KERN.gemm_bf16(x[:m].contiguous(), packed, n, k, b), big[23][:m])
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 @pytest.mark.skipif(KERN is None or not KERN.has_amx_gemm(), reason="no AMX-BF16 here")
 def test_gemm_amx_switch_selects_another_kernel():
     """set_amx_gemm really routes gemm_bf16: AMX sums each 32-product chunk in its own order, so on a

@@ -19,6 +19,9 @@
 // k-pairs 16j..16j+15 and columns 16c..16c+15 of a block starts at element (16j * 64 + 16c) * 2 and
 // has a row stride of 256 bytes. Each work piece keeps 1..4 C tiles (16 rows x 16..64 columns);
 // per 32-k step it loads one A tile (16 rows of x, read in place) and, per C tile, one B tile.
+// M <= 16 (decode) takes panel_amx_small: the A and C tiles are configured with M rows (x read in
+// place, no zero-padded 16-row copy, C stores of M rows), the C tiles stay in registers over the
+// whole K, and the weight stream is prefetched into L2 ahead of the strided B tile loads.
 //
 // Batch invariance, by construction. Output element (m, n) is always produced by the same
 // sequence: C = 0, then TDPBF16PS for the k chunks j = 0, 1, ..., ceil(Kp/32) - 1 in order (the last
@@ -85,12 +88,17 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3: C (16 x 16 fp32), 4: A (16 rows x 32 bf16), 6-7: B (16 k-pairs x 16 columns x 2).
-inline void configure_tiles() {
+// Tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 6-7: B (16 k-pairs x 16 columns x 2).
+// rows: 16, or M for the small-M path (a C row depends only on its own A row, so configuring fewer
+// rows drops padding work, not a bit of any real row's result).
+inline void configure_tiles(int rows = kTileRows) {
   TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = i < 5 ? rows : kTileRows;
   _tile_loadconfig(&cfg);
 }
+
+// Small-M path: the B chunk this many 32-k chunks ahead (8 x 4 KiB at 64 columns) is prefetched into L2.
+constexpr int64_t kPfChunks = 8;
 
 // GCC's tile intrinsics are asm statements without a memory clobber: order plain loads/stores of
 // a buffer against the tile loads/stores that touch it.
@@ -182,6 +190,64 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
   }
 }
 
+// Small M (1..16 rows: decode, small decode batches), one row tile configured with M rows: NC
+// 16-column tiles of one weight block over the whole K, the C tiles held in tile registers
+// throughout (no k blocking: there are no other row tiles to share a B sub-panel with, so no fp32
+// spill and reload). Per 32-k chunk: one A tile (the M rows of x, read in place at a stride of `sa`
+// bytes), NC B tiles, NC TDPBF16PS. The per-element sequence is panel_amx's (C = 0, chunks in
+// order, + bias in fp32, RNE), so the bits are the same as for the row inside a bigger M.
+// The weight stream is the whole cost at M = 1 (~270 MB per step for SmolLM2-135M); the B tile
+// loads are strided (16 rows of 64 bytes, 256 bytes apart, 4 tiles per 4 KiB chunk), so the chunk
+// kPfChunks ahead is prefetched into L2 (docs/benchmarks.md, issue 15).
+template <int NC>
+void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, const uint16_t* btail,
+                     int64_t kchunks, uint16_t* out, int64_t ldo, int64_t ncols, const float* bias,
+                     const char* pf_end) {
+  alignas(64) float cb[kTileRows][kBlockN];
+  _tile_zero(0);
+  if constexpr (NC > 1) _tile_zero(1);
+  if constexpr (NC > 2) _tile_zero(2);
+  if constexpr (NC > 3) _tile_zero(3);
+  for (int64_t ks = 0; ks < kchunks; ++ks) {
+    const uint16_t* bk = (btail != nullptr && ks == kchunks - 1) ? btail : b + ks * kChunkPairs * kBlockN * 2;
+    // Prefetching only (no effect on results): the first line of each 256-byte k-pair row of the
+    // chunk kPfChunks ahead (the L2 prefetchers fetch its neighbours; a prefetch for every line
+    // cost ~45 % on weights already in L2, this ~15 %). Past this block it runs into the next one,
+    // which is where the thread's stream goes on.
+    const char* pf = reinterpret_cast<const char*>(b + (ks + kPfChunks) * kChunkPairs * kBlockN * 2);
+    for (int r = 0; r < kChunkPairs; ++r, pf += kBStride)
+      if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1);
+    _tile_loadd(4, xa + ks * 2 * kChunkPairs, sa);
+    _tile_loadd(6, bk, kBStride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NC > 1) { _tile_loadd(7, bk + 32, kBStride); _tile_dpbf16ps(1, 4, 7); }
+    if constexpr (NC > 2) { _tile_loadd(6, bk + 64, kBStride); _tile_dpbf16ps(2, 4, 6); }
+    if constexpr (NC > 3) { _tile_loadd(7, bk + 96, kBStride); _tile_dpbf16ps(3, 4, 7); }
+  }
+  _tile_stored(0, &cb[0][0], kBlockN * 4);
+  if constexpr (NC > 1) _tile_stored(1, &cb[0][16], kBlockN * 4);
+  if constexpr (NC > 2) _tile_stored(2, &cb[0][32], kBlockN * 4);
+  if constexpr (NC > 3) _tile_stored(3, &cb[0][48], kBlockN * 4);
+  compiler_barrier();
+  for (int c = 0; c < NC; ++c) {
+    const int64_t valid = ncols - 16 * c;
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 v = _mm512_load_ps(&cb[r][16 * c]);
+      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(v, bb) : v);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+    }
+  }
+}
+
+using SmallFn = void (*)(const uint16_t*, long, int64_t, const uint16_t*, const uint16_t*, int64_t,
+                         uint16_t*, int64_t, int64_t, const float*, const char*);
+constexpr SmallFn kSmall[4] = {&panel_amx_small<1>, &panel_amx_small<2>, &panel_amx_small<3>,
+                               &panel_amx_small<4>};
+
 using PanelFn = void (*)(const ASource&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
                          int64_t, float*, uint16_t*, int64_t, int64_t, const float*);
 constexpr PanelFn kPanel[4] = {&panel_amx<1>, &panel_amx<2>, &panel_amx<3>, &panel_amx<4>};
@@ -218,14 +284,7 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
   const int64_t mtiles = ceil_div(M, kTileRows);
   const int64_t kpad = kchunks * 2 * kChunkPairs;  // K rounded up to 32
 
-  // A sources: x in place for whole tiles when K is a multiple of 32; a zero-padded copy for the
-  // partial last tile (or for all rows when K is not).
-  ASource a{x, ldx, Kp == kpad ? M / kTileRows : 0, nullptr, kpad};
-  const int64_t pad_rows = (mtiles - a.full) * kTileRows;
-  std::vector<uint16_t> pad(static_cast<size_t>(pad_rows * kpad), 0);
-  for (int64_t m = a.full * kTileRows; m < M; ++m)
-    std::memcpy(pad.data() + (m - a.full * kTileRows) * kpad, x + m * ldx, Kp * 2);
-  a.pad = pad.data();
+  const bool tiny = M * N * Kp < (int64_t{1} << 18);  // don't pay the thread fork
 
   // Zero-padded copies of each block's last, partial k chunk ([16][64][2] per block).
   const int64_t tail_pairs = kpairs % kChunkPairs;
@@ -236,6 +295,47 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
       std::memcpy(tails.data() + nb * kChunkPairs * kBlockN * 2,
                   packed + nb * block_elems + (kpairs - tail_pairs) * kBlockN * 2, tail_pairs * kBlockN * 2 * 2);
   }
+
+  if (mtiles == 1) {
+    // Decode (M <= 16): the tiles are configured with M rows, so x is read in place (a zero-padded
+    // copy of the M rows only when K is not a multiple of 32); N split in 16-column units
+    // (N = 576 splits evenly over 2 threads), each thread streaming one contiguous run of weights.
+    std::vector<uint16_t> xpad;
+    const uint16_t* xa = x;
+    long sa = ldx * 2;
+    if (Kp != kpad) {
+      xpad.assign(static_cast<size_t>(M * kpad), 0);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * kpad, x + m * ldx, Kp * 2);
+      xa = xpad.data();
+      sa = kpad * 2;
+    }
+    compiler_barrier();
+    const char* pf_end = reinterpret_cast<const char*>(packed + nblocks * block_elems);
+    const int64_t units = ceil_div(N, 16);
+    auto body = [&](int64_t u0, int64_t u1) {
+      configure_tiles(static_cast<int>(M));
+      for (int64_t u = u0; u < u1;) {
+        const int64_t c = std::min<int64_t>(4 - u % 4, u1 - u);  // stay inside one block
+        const int64_t nb = u / 4, c0 = u % 4, n0 = u * 16;
+        const uint16_t* bt = tail_pairs ? tails.data() + nb * kChunkPairs * kBlockN * 2 + c0 * 32 : nullptr;
+        kSmall[c - 1](xa, sa, M, packed + nb * block_elems + c0 * 32, bt, kchunks, out + n0, N,
+                      std::min<int64_t>(16 * c, N - n0), bias ? bias + n0 : nullptr, pf_end);
+        u += c;
+      }
+      _tile_release();
+    };
+    if (tiny) body(0, units); else at::parallel_for(0, units, 1, body);
+    return;
+  }
+
+  // A sources: x in place for whole tiles when K is a multiple of 32; a zero-padded copy for the
+  // partial last tile (or for all rows when K is not).
+  ASource a{x, ldx, Kp == kpad ? M / kTileRows : 0, nullptr, kpad};
+  const int64_t pad_rows = (mtiles - a.full) * kTileRows;
+  std::vector<uint16_t> pad(static_cast<size_t>(pad_rows * kpad), 0);
+  for (int64_t m = a.full * kTileRows; m < M; ++m)
+    std::memcpy(pad.data() + (m - a.full * kTileRows) * kpad, x + m * ldx, Kp * 2);
+  a.pad = pad.data();
   compiler_barrier();
 
   // One piece: row tiles [t0, t1) x column tiles [c0, c0 + nc) of block nb.
@@ -246,25 +346,6 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
     const uint16_t* bt = tail_pairs ? tails.data() + nb * kChunkPairs * kBlockN * 2 + c0 * 32 : nullptr;
     kPanel[nc - 1](a, t0, t1, M, b, bt, kchunks, spill, out + n0, N, ncols, bias ? bias + n0 : nullptr);
   };
-  const bool tiny = M * N * Kp < (int64_t{1} << 18);  // don't pay the thread fork
-
-  if (mtiles == 1) {
-    // Decode: split N in 16-column units (N = 576 splits evenly over 2 threads); each thread
-    // streams its contiguous run of weights once.
-    const int64_t units = ceil_div(N, 16);
-    auto body = [&](int64_t u0, int64_t u1) {
-      alignas(64) static thread_local float spill[kTileRows * kBlockN];
-      configure_tiles();
-      for (int64_t u = u0; u < u1;) {
-        const int64_t c = std::min<int64_t>(4 - u % 4, u1 - u);  // stay inside one block
-        piece(spill, u / 4, u % 4, static_cast<int>(c), 0, 1);
-        u += c;
-      }
-      _tile_release();
-    };
-    if (tiny) body(0, units); else at::parallel_for(0, units, 1, body);
-    return;
-  }
 
   // Prefill: items (M block, column piece), M-block major, from a shared counter. A piece is a
   // whole 64-column block, or half of one when there are few items (N = 576 at M <= 256 gives 9
