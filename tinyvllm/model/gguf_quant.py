@@ -22,17 +22,18 @@ K-quants (``ggml-common.h`` ``block_q4_K`` / ``block_q6_K``; gguf-py ``Q4_K`` / 
 * Q4_K (144 bytes): ``d``, ``dmin`` fp16; 12 bytes of 6-bit ``sc_j``, ``m_j`` for 8 sub-blocks of 32
   (j < 4: low 6 bits of bytes j, j+4; j >= 4: low / high nibble of byte j+4 with the top two bits
   of bytes j-4, j); 128 bytes of nibbles (sub-block 2i: low nibbles of bytes 32i..32i+31, 2i+1: the
-  high ones). ``w = (d*sc_j) * q - dmin*m_j``. Run as Q4 with fp32 per-32 ``d' = d*sc_j`` and
-  ``m' = -(dmin*m_j)``: both products are exact in fp32 (an 11-bit fp16 significand times a 6-bit
-  integer), so the kernel's weights are gguf's in value (``dequantize_packed`` == ``dequantize``).
+  high ones). ``w = (d*sc_j) * q - dmin*m_j``. Run as Q4 with per-32 ``d' = d*sc_j`` and
+  ``m' = (-dmin)*m_j``, formed by the kernel in fp32 from the kept 6-bit ``sc_j``, ``m_j`` and the
+  super-block's ``d``, ``-dmin``: both products are exact in fp32 (an 11-bit fp16 significand times a
+  6-bit integer), so the kernel's weights are gguf's in value (``dequantize_packed`` == ``dequantize``).
 * Q6_K (210 bytes): 128 bytes low nibbles ``ql``, 64 bytes high 2 bits ``qh``, 16 int8 scales (one
   per 16 weights), ``d`` fp16; in each half h of 128 weights, element 32s+l (s = 0..3, l = 0..31)
   is ``ql[64h + l + 32(s&1)]``'s low (s < 2) or high nibble | ``((qh[32h + l] >> 2s) & 3) << 4``;
   ``w = (d*sc_j) * (q - 32)``. Run as Q8-like int8 ``q - 32`` with one fp32 scale ``d*sc_j`` per 16
   (exact: 11 x 8 bits), so also equal in value.
 
-The K-quants' exact scales need fp32, not fp16: a Q4_K linear is held in 6 bits/weight (file: 4.5),
-a Q6_K one in 10 (file: 6.56; stored as int8 for a simple kernel).
+Held per weight: Q4_K 4.75 bits (file: 4.5; d, -dmin as fp32 per 16 columns of a super-block); Q6_K
+10 bits (file: 6.56; int8 ``q - 32`` and an fp32 ``d*sc_j`` per 16, for a simple kernel).
 
 Other types raise :class:`UnsupportedQuantError` naming the tensor and type (``--quantization none``
 dequantizes them at load).
@@ -69,8 +70,9 @@ class QuantWeight:
     """A repacked [N, K] GGUF weight for :func:`gemm_gguf`.
 
     qs: uint8 [G, K/32, 8, 32] (Q4, Q4_K) or int8 [G, K/32, 16, 32] (Q8, Q6_K), G = ceil(N/16);
-    scales: float16 [G, K/32, 2 or 1, 16] (Q4: d then m; Q8: d), float32 [G, K/32, 2, 16] (Q4_K: d
-    then m; Q6_K: the scales of k 0..15 and 16..31); fmt: one of the FMT_* codes;
+    scales: float16 [G, K/32, 2 or 1, 16] (Q4: d then m; Q8: d); Q4_K: uint8 [G, K/256, 384] (per
+    super-block: [8 blocks][sc, m][16] 6-bit values, then fp32 d[16], fp32 -dmin[16] as bytes);
+    Q6_K: float32 [G, K/32, 2, 16] (the scales of k 0..15 and 16..31); fmt: one of the FMT_* codes;
     qtype: the GGUF type name it came from.
     """
 
@@ -169,13 +171,16 @@ def repack(raw: np.ndarray, qtype: str, n: int, k: int, name: str = "?") -> Quan
         sc = dm.reshape(-1, _GROUP, nb, 2).transpose(0, 2, 3, 1)
         fmt = FMT_Q4
     elif qtype == "Q4_K":
-        q, dsc, mins = _q4k_ints(raw, n, k)                        # [n, nb, 32] 0..15; [n, nb] fp32 x2
-        nb = k // 32
+        q, d, dmin, scs, mns = _q4k_fields(raw, n, k)             # [n, nb, 32] 0..15; [n, ns]; [n, ns, 8]
+        nb, ns = k // 32, k // 256
         q = _pad_rows(q, n).reshape(-1, _GROUP, nb, 8, 4)
         byte = q[..., 0:2] | (q[..., 2:4] << 4)
         qs = np.ascontiguousarray(byte.transpose(0, 2, 3, 1, 4)).reshape(-1, nb, 8, 32)
-        dm = np.stack([_pad_rows(dsc, n), _pad_rows(-mins, n)], axis=-1)
-        sc = dm.reshape(-1, _GROUP, nb, 2).transpose(0, 2, 3, 1)
+        sm = np.stack([_pad_rows(scs, n), _pad_rows(mns, n)], axis=-1)     # [Np, ns, 8, 2]
+        sm = sm.reshape(-1, _GROUP, ns, 8, 2).transpose(0, 2, 3, 4, 1).reshape(-1, ns, 256)
+        dd = np.stack([_pad_rows(d, n), _pad_rows(-dmin, n)], axis=-1)     # [Np, ns, 2] fp32
+        dd = np.ascontiguousarray(dd.reshape(-1, _GROUP, ns, 2).transpose(0, 2, 3, 1)).view(np.uint8)
+        sc = np.concatenate([sm.astype(np.uint8), dd.reshape(-1, ns, 128)], axis=-1)  # [G, ns, 384]
         fmt = FMT_Q4K
     elif qtype == "Q6_K":
         q, dsc = _q6k_ints(raw, n, k)                              # [n, nb, 32] int8 -32..31; [n, nb, 2] fp32
@@ -188,7 +193,7 @@ def repack(raw: np.ndarray, qtype: str, n: int, k: int, name: str = "?") -> Quan
         raise UnsupportedQuantError(
             f"GGUF tensor {name!r} has type {qtype}, which has no native kernel (supported: "
             f"{', '.join(SUPPORTED)}); run with --quantization none to dequantize it at load")
-    sdt = np.float32 if fmt in (FMT_Q4K, FMT_Q6K) else np.float16
+    sdt = {FMT_Q4K: np.uint8, FMT_Q6K: np.float32}.get(fmt, np.float16)
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                        torch.from_numpy(np.ascontiguousarray(sc).astype(sdt)), fmt, n, k, qtype)
 
@@ -202,6 +207,14 @@ def _super_blocks(raw: np.ndarray, n: int, k: int, block_bytes: int) -> np.ndarr
 def _q4k_ints(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K bytes -> (q uint8 [n, k/32, 32] in 0..15, d*sc fp32 [n, k/32], dmin*m fp32 [n, k/32]);
     the products are exact in fp32 (see the module docstring)."""
+    q, d, dmin, sc, mn = _q4k_fields(raw, n, k)
+    dsc = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
+    dmn = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
+    return q, dsc, dmn
+
+
+def _q4k_fields(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
+    """Q4_K bytes -> (q uint8 [n, k/32, 32] in 0..15, d, dmin fp32 [n, k/256], sc, m uint8 [n, k/256, 8])."""
     b = _super_blocks(raw, n, k, 144)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)      # [n, ns]
     dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -211,9 +224,7 @@ def _q4k_ints(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, 
     mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
     nib = b[..., 16:144].reshape(n, -1, 4, 1, 32)                             # 4 chunks of 32 bytes
     q = np.concatenate([nib & 0x0F, nib >> 4], axis=-2).reshape(n, -1, 32)    # sub-blocks 2i, 2i+1
-    dsc = (d[..., None] * sc.astype(np.float32)).reshape(n, -1)
-    dmn = (dmin[..., None] * mn.astype(np.float32)).reshape(n, -1)
-    return q, dsc, dmn
+    return q, d, dmin, sc, mn
 
 
 def _q6k_ints(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -234,8 +245,14 @@ def _q6k_ints(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_packed(w: QuantWeight) -> np.ndarray:
     """The float32 [n, k] weight a :class:`QuantWeight` holds (``d*q`` or ``d*q + m`` in float32, as
     ``gguf.quants.dequantize``; Q4_K: ``(d*sc)*q - dmin*m``): a test of the repack."""
-    qs, sc = w.qs.numpy(), w.scales.numpy().astype(np.float32)
+    qs, sc = w.qs.numpy(), w.scales.numpy()
     g, nb = qs.shape[0], qs.shape[1]
+    if w.fmt == FMT_Q4K:  # back to the [G, nb, 2, 16] fp32 (d*sc, -dmin*m) form of the Q4 branch
+        ns = nb // 8
+        sm = sc[..., :256].reshape(g, ns, 8, 2, 16).astype(np.float32)
+        dd = np.ascontiguousarray(sc[..., 256:]).view(np.float32).reshape(g, ns, 1, 2, 16)
+        sc = (dd * sm).reshape(g, nb, 2, 16)
+    sc = sc.astype(np.float32)
     if w.fmt == FMT_Q6K:
         q = qs.reshape(g, nb, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(g * 16, nb, 2, 16).astype(np.float32)
         d = sc.transpose(0, 3, 1, 2).reshape(g * 16, nb, 2, 1)
@@ -349,7 +366,7 @@ def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
     return {"weights": weights, "lm_head_tied": tied, "unsupported": unsupported, "quantized": quantized}
 
 
-NATIVE_CACHE_VERSION = 2  # 2: Q4_K / Q6_K (fp32 scales), mixed-format fused parts
+NATIVE_CACHE_VERSION = 3  # 2: Q4_K / Q6_K, mixed-format fused parts; 3: Q4_K's compact scales
 
 
 def native_cache_path(gguf_path: str | Path) -> tuple[Path, str]:

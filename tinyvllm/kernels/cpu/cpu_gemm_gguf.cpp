@@ -16,7 +16,11 @@
 // 32 k (nb = K/32; a K-quant super-block of 256 is 8 such blocks):
 //   fmt 1, 2 (Q4, Q4_K): qs uint8 [G, nb, 8, 32]; chunk j covers k = 4j..4j+3 of the block;
 //       byte 2c+e (c = column in the group, e = 0/1) = q[c][4j+e] | q[c][4j+2+e] << 4.
-//       scales [G, nb, 2, 16]: d then m of each column's block; fp16 (fmt 1) or fp32 (fmt 2).
+//       fmt 1: scales fp16 [G, nb, 2, 16]: d then m of each column's block.
+//       fmt 2: scales uint8 [G, nb/8, 384], per super-block s of 8 blocks: bytes 32i..32i+31 the
+//       6-bit sc then m of block 8s+i (16 columns each); bytes 256..319 fp32 d[16], 320..383 fp32
+//       -dmin[16] (the fp16 super-block values). The block's d' = d*sc and m' = -dmin*m are formed
+//       in fp32 (exact: 11 x 6 bits), so the arithmetic below sees the exact products.
 //   fmt 0, 3 (Q8_0, Q6_K): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e] (Q6_K: q-32).
 //       scales fp16 [G, nb, 1, 16]: d (fmt 0); fp32 [G, nb, 2, 16] (fmt 3): the scale of k 0..15 of
 //       the block, then of k 16..31.
@@ -44,7 +48,7 @@
 //
 // Speed: Q4 nibbles -> bf16 words is one vpmovzxbw per two k-pairs and one vpermw table lookup per
 // k-pair (the 16 values 0..15 as bf16), so a decode step streams ~5 bits/weight instead of 16
-// (Q4_K: 6 with its fp32 scales; Q6_K, stored as int8: 10).
+// (Q4_K: 4.75; Q6_K, stored as int8 with an fp32 scale per 16: 10).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -84,25 +88,32 @@ inline uint16_t f_to_bf16(float f) {
 
 inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-// Format traits: nibbles (Q4, Q4_K) or int8 (Q8_0, Q6_K); a block minimum (Q4, Q4_K); fp32 scales
-// (the K-quants: d_super * sc_j is exact in fp32, not in fp16); two 16-sub-blocks per block (Q6_K).
+// Format traits: nibbles (Q4, Q4_K) or int8 (Q8_0, Q6_K); a block minimum (Q4, Q4_K); two
+// 16-sub-blocks per block (Q6_K). The K-quants' scales d_super * sc_j are exact in fp32, not fp16.
 constexpr bool fmt_nib(int fmt) { return fmt == 1 || fmt == 2; }
 constexpr bool fmt_min(int fmt) { return fmt == 1 || fmt == 2; }
-constexpr bool fmt_f32(int fmt) { return fmt >= 2; }
 constexpr bool fmt_halves(int fmt) { return fmt == 3; }
 inline int64_t qs_block_bytes(int fmt) { return fmt_nib(fmt) ? 256 : 512; }
-inline int64_t sc_block_elems(int fmt) { return fmt == 0 ? 16 : 32; }
-inline int64_t sc_elem_bytes(int fmt) { return fmt_f32(fmt) ? 4 : 2; }
+// Bytes of scales per (group, block): fp16 d (Q8_0); fp16 d, m (Q4); Q4_K: 384 per 8 blocks;
+// fp32 two scales (Q6_K).
+inline int64_t sc_group_block_bytes(int fmt) { return fmt == 0 ? 32 : fmt == 1 ? 64 : fmt == 2 ? 48 : 128; }
 
-// Scale i (0..sc_block_elems-1) of a block's scales (fp16 or fp32 storage) as fp32.
-inline float scale_at(int fmt, const uint8_t* bs, int i) {
-  if (fmt_f32(fmt)) {
-    float f;
-    std::memcpy(&f, bs + 4 * i, sizeof(f));
-    return f;
+inline float f32_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof(f));
+  return f;
+}
+
+// Column c's scale `which` (0: d, or Q6_K's first 16; 1: m, or Q6_K's second 16) of block b, as fp32.
+// gs: the group's scales at block 0.
+inline float scale_at(int fmt, const uint8_t* gs, int64_t b, int which, int c) {
+  if (fmt == 2) {
+    const uint8_t* sb = gs + (b / 8) * 384;
+    return f32_at(sb + 256 + 64 * which + 4 * c) * static_cast<float>(sb[(b % 8) * 32 + 16 * which + c]);
   }
+  if (fmt == 3) return f32_at(gs + b * 128 + 64 * which + 4 * c);
   uint16_t h;
-  std::memcpy(&h, bs + 2 * i, sizeof(h));
+  std::memcpy(&h, gs + b * sc_group_block_bytes(fmt) + 32 * which + 2 * c, sizeof(h));
   return half_to_f(h);
 }
 
@@ -128,8 +139,7 @@ inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
 void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
               int64_t N, int64_t K, uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
-  const int64_t sb_bytes = sc_block_elems(fmt) * sc_elem_bytes(fmt);
-  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sb_bytes;
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t g = n / kGroup;
@@ -140,20 +150,19 @@ void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, cons
         const uint16_t* xr = x + m * ldx;
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* bs = gs + b * sb_bytes;
           float p = 0.0f;
           for (int kp = 0; kp < 16; ++kp) {  // VDPBF16PS: odd element first, then even
             const int k = 2 * kp;
             p += bf16_to_f(xr[b * 32 + k + 1]) * static_cast<float>(q_at(fmt, gq, b, c, k + 1));
             p += bf16_to_f(xr[b * 32 + k]) * static_cast<float>(q_at(fmt, gq, b, c, k));
             if (fmt_halves(fmt) && kp % 8 == 7) {  // Q6_K: fold each 16-weight sub-block
-              acc = std::fma(p, scale_at(fmt, bs, 16 * (kp / 8) + c), acc);
+              acc = std::fma(p, scale_at(fmt, gs, b, kp / 8, c), acc);
               p = 0.0f;
             }
           }
           if (fmt_halves(fmt)) continue;
-          acc = std::fma(p, scale_at(fmt, bs, c), acc);
-          if (fmt_min(fmt)) acc = std::fma(block_sum_scalar(xr + b * 32), scale_at(fmt, bs, 16 + c), acc);
+          acc = std::fma(p, scale_at(fmt, gs, b, 0, c), acc);
+          if (fmt_min(fmt)) acc = std::fma(block_sum_scalar(xr + b * 32), scale_at(fmt, gs, b, 1, c), acc);
         }
         if (bias) acc += bias[n];
         out[m * N + n] = f_to_bf16(acc);
@@ -181,11 +190,19 @@ inline __m512i nibble_table() {
   return _mm512_load_si512(t);
 }
 
-// 16 scales at element i of a block's scales (fp16 or fp32 storage) as fp32 lanes.
+// The 16 columns' scale `which` of block b as fp32 lanes (scale_at's vector form). gs: the group's
+// scales at block 0. Q4_K: the u8 sc (m) times the super-block's fp32 d (-dmin): exact products.
 template <int FMT>
-inline __m512 load_scales(const uint8_t* bs, int i) {
-  if constexpr (fmt_f32(FMT)) return _mm512_loadu_ps(reinterpret_cast<const float*>(bs) + i);
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(bs) + i)));
+inline __m512 load_scales(const uint8_t* gs, int64_t b, int which) {
+  if constexpr (FMT == 2) {
+    const uint8_t* sb = gs + (b / 8) * 384;
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (b % 8) * 32 + 16 * which))));
+    return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(sb + 256 + 64 * which)), s);
+  } else if constexpr (FMT == 3) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(gs + b * 128 + 64 * which));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + b * (FMT == 0 ? 32 : 64) + 32 * which)));
+  }
 }
 
 // R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
@@ -193,7 +210,6 @@ template <int R, int C, int FMT>
 void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
            const uint8_t* const* gq, const uint8_t* const* gs, uint16_t* __restrict out, int64_t ldo,
            int64_t ncols, const float* __restrict bias, __m512i table) {
-  constexpr int64_t sb_bytes = (FMT == 0 ? 16 : 32) * (fmt_f32(FMT) ? 4 : 2);
   __m512 acc[R][C];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -257,7 +273,7 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
           if (kp % 8 == 7) {  // Q6_K: fold the 16-weight sub-block kp / 8 and restart p
 #pragma GCC unroll 4
             for (int c = 0; c < C; ++c) {
-              const __m512 dv = load_scales<FMT>(gs[c] + b * sb_bytes, 16 * (kp / 8));
+              const __m512 dv = load_scales<FMT>(gs[c], b, kp / 8);
 #pragma GCC unroll 4
               for (int r = 0; r < R; ++r) {
                 acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
@@ -272,10 +288,9 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
       // Fold the block: acc = fma(p, d, acc) (Q4, Q4_K: then acc = fma(sum(x)_b, m, acc)).
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const uint8_t* bs = gs[c] + b * sb_bytes;
-        const __m512 dv = load_scales<FMT>(bs, 0);
+        const __m512 dv = load_scales<FMT>(gs[c], b, 0);
         __m512 mv = _mm512_setzero_ps();
-        if constexpr (fmt_min(FMT)) mv = load_scales<FMT>(bs, 16);
+        if constexpr (fmt_min(FMT)) mv = load_scales<FMT>(gs[c], b, 1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
@@ -399,7 +414,6 @@ void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __res
 template <int FMT>
 void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, int C, int64_t nb,
                    uint16_t* sw, float* sf, __m512i table) {
-  constexpr int64_t sb_bytes = (FMT == 0 ? 16 : 32) * (fmt_f32(FMT) ? 4 : 2);
   for (int64_t b = 0; b < nb; ++b) {
     uint16_t* wb = sw + b * 16 * C * 32;
     for (int i = 0; i < C; ++i) {
@@ -410,9 +424,8 @@ void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, in
         _mm512_store_ps(bs + 16, _mm512_setzero_ps());
         continue;
       }
-      const uint8_t* s = gs[i] + b * sb_bytes;
-      _mm512_store_ps(bs, load_scales<FMT>(s, 0));
-      _mm512_store_ps(bs + 16, FMT == 0 ? _mm512_setzero_ps() : load_scales<FMT>(s, 16));
+      _mm512_store_ps(bs, load_scales<FMT>(gs[i], b, 0));
+      _mm512_store_ps(bs + 16, FMT == 0 ? _mm512_setzero_ps() : load_scales<FMT>(gs[i], b, 1));
       if constexpr (fmt_nib(FMT)) {
         for (int j = 0; j < 8; ++j) {
           const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * 256 + j * 32)));
@@ -473,7 +486,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
                  const uint8_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int64_t G = ceil_div(N, kGroup);
-  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_block_elems(fmt) * sc_elem_bytes(fmt);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   const __m512i table = nibble_table();
   const bool tiny = M * N * K < (int64_t{1} << 18);
   if (M <= kSmallM) {
@@ -540,9 +553,11 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
   const int64_t G = ceil_div(N, kGroup), nb = K / kQBlock;
   TORCH_CHECK(qs.is_contiguous() && qs.numel() * qs.element_size() == G * nb * qs_block_bytes(fmt),
               "gemm_gguf: qs size does not match (N, K, fmt)");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == (fmt_f32(static_cast<int>(fmt)) ? at::kFloat : at::kHalf) &&
-              scales.numel() == G * nb * sc_block_elems(fmt),
-              "gemm_gguf: scales must be float16 (fmt 0, 1) or float32 (fmt 2, 3) matching (N, K, fmt)");
+  const at::ScalarType sdt = fmt == 2 ? at::kByte : fmt == 3 ? at::kFloat : at::kHalf;
+  TORCH_CHECK(fmt != 2 || nb % 8 == 0, "gemm_gguf: Q4_K needs K % 256 == 0");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == sdt &&
+              scales.numel() * scales.element_size() == G * nb * sc_group_block_bytes(static_cast<int>(fmt)),
+              "gemm_gguf: scales must be float16 (fmt 0, 1), uint8 (fmt 2) or float32 (fmt 3) matching (N, K, fmt)");
   Prepared p;
   p.out_shape.assign(x.sizes().begin(), x.sizes().end());
   p.out_shape.back() = N;
