@@ -48,7 +48,7 @@ def test_repack_kquants_gives_gguf_dequantize_exactly(qtype, n, k):
     """Q4_K's (d*sc)*q - dmin*m and Q6_K's (d*sc)*(q-32) from the repacked blocks equal gguf's float32
     dequantize bit for bit (the fp32 products d*sc, dmin*m are exact)."""
     w, ref = _weight(qtype, n, k, seed=n)
-    assert w.scales.dtype == (torch.uint8 if qtype == "Q4_K" else torch.float32)
+    assert w.scales.dtype == torch.uint8 and w.nbytes * 8 == {"Q4_K": 4.75, "Q6_K": 6.625}[qtype] * -(-n // 16) * 16 * k
     assert np.array_equal(dequantize_packed(w), ref)
 
 

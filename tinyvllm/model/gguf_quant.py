@@ -29,11 +29,12 @@ K-quants (``ggml-common.h`` ``block_q4_K`` / ``block_q6_K``; gguf-py ``Q4_K`` / 
 * Q6_K (210 bytes): 128 bytes low nibbles ``ql``, 64 bytes high 2 bits ``qh``, 16 int8 scales (one
   per 16 weights), ``d`` fp16; in each half h of 128 weights, element 32s+l (s = 0..3, l = 0..31)
   is ``ql[64h + l + 32(s&1)]``'s low (s < 2) or high nibble | ``((qh[32h + l] >> 2s) & 3) << 4``;
-  ``w = (d*sc_j) * (q - 32)``. Run as Q8-like int8 ``q - 32`` with one fp32 scale ``d*sc_j`` per 16
-  (exact: 11 x 8 bits), so also equal in value.
+  ``w = (d*sc_j) * (q - 32)``. Kept as a nibble plane (the Q4 layout) plus a plane of the top two
+  bits, the int8 ``sc_j`` per 16 and ``d``; the kernel forms ``d*sc_j`` in fp32 (exact: 11 x 8 bits),
+  so also equal in value.
 
 Held per weight: Q4_K 4.75 bits (file: 4.5; d, -dmin as fp32 per 16 columns of a super-block); Q6_K
-10 bits (file: 6.56; int8 ``q - 32`` and an fp32 ``d*sc_j`` per 16, for a simple kernel).
+6.625 bits (file: 6.5625; d as fp32).
 
 Other types raise :class:`UnsupportedQuantError` naming the tensor and type (``--quantization none``
 dequantizes them at load).
@@ -69,10 +70,12 @@ class UnsupportedQuantError(ValueError):
 class QuantWeight:
     """A repacked [N, K] GGUF weight for :func:`gemm_gguf`.
 
-    qs: uint8 [G, K/32, 8, 32] (Q4, Q4_K) or int8 [G, K/32, 16, 32] (Q8, Q6_K), G = ceil(N/16);
+    qs: uint8 [G, K/32, 8, 32] (Q4, Q4_K), int8 [G, K/32, 16, 32] (Q8) or uint8 [G, K/32, 384] (Q6_K:
+    the low-nibble plane, then the top-two-bits plane), G = ceil(N/16);
     scales: float16 [G, K/32, 2 or 1, 16] (Q4: d then m; Q8: d); Q4_K: uint8 [G, K/256, 384] (per
     super-block: [8 blocks][sc, m][16] 6-bit values, then fp32 d[16], fp32 -dmin[16] as bytes);
-    Q6_K: float32 [G, K/32, 2, 16] (the scales of k 0..15 and 16..31); fmt: one of the FMT_* codes;
+    Q6_K: uint8 [G, K/256, 320] ([16 sub-blocks][16] int8 sc, then fp32 d[16] as bytes);
+    fmt: one of the FMT_* codes (the layouts: the kernel's header comment);
     qtype: the GGUF type name it came from.
     """
 
@@ -183,17 +186,24 @@ def repack(raw: np.ndarray, qtype: str, n: int, k: int, name: str = "?") -> Quan
         sc = np.concatenate([sm.astype(np.uint8), dd.reshape(-1, ns, 128)], axis=-1)  # [G, ns, 384]
         fmt = FMT_Q4K
     elif qtype == "Q6_K":
-        q, dsc = _q6k_ints(raw, n, k)                              # [n, nb, 32] int8 -32..31; [n, nb, 2] fp32
-        nb = k // 32
-        q = _pad_rows(q, n).reshape(-1, _GROUP, nb, 16, 2).transpose(0, 2, 3, 1, 4)
-        qs = np.ascontiguousarray(q).reshape(-1, nb, 16, 32)
-        sc = _pad_rows(dsc, n).reshape(-1, _GROUP, nb, 2).transpose(0, 2, 3, 1)
+        q, d, scs = _q6k_fields(raw, n, k)                         # [n, nb, 32] 0..63; [n, ns]; [n, ns, 16]
+        nb, ns = k // 32, k // 256
+        q = _pad_rows(q, n).reshape(-1, _GROUP, nb, 8, 4)          # [G, c, nb, j, k % 4]
+        lo, hi = q & 0x0F, q >> 4
+        lo = (lo[..., 0:2] | (lo[..., 2:4] << 4)).transpose(0, 2, 3, 1, 4).reshape(-1, nb, 256)
+        h = hi[..., 0:2] | (hi[..., 2:4] << 2)                     # [G, c, nb, 8, 2]
+        h = h.reshape(*h.shape[:3], 4, 2, 2)                       # chunk j = 2t + (0 | 1)
+        h = (h[..., 0, :] | (h[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4).reshape(-1, nb, 128)
+        qs = np.concatenate([lo, h], axis=-1).astype(np.uint8)     # [G, nb, 384]
+        s16 = _pad_rows(scs, n).reshape(-1, _GROUP, ns, 16).transpose(0, 2, 3, 1).reshape(-1, ns, 256)
+        dd = np.ascontiguousarray(_pad_rows(d, n).reshape(-1, _GROUP, ns).transpose(0, 2, 1)).view(np.uint8)
+        sc = np.concatenate([s16.view(np.uint8), dd], axis=-1)     # [G, ns, 320]
         fmt = FMT_Q6K
     else:
         raise UnsupportedQuantError(
             f"GGUF tensor {name!r} has type {qtype}, which has no native kernel (supported: "
             f"{', '.join(SUPPORTED)}); run with --quantization none to dequantize it at load")
-    sdt = {FMT_Q4K: np.uint8, FMT_Q6K: np.float32}.get(fmt, np.float16)
+    sdt = np.uint8 if fmt in (FMT_Q4K, FMT_Q6K) else np.float16
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(qs)),
                        torch.from_numpy(np.ascontiguousarray(sc).astype(sdt)), fmt, n, k, qtype)
 
@@ -230,16 +240,21 @@ def _q4k_fields(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
 def _q6k_ints(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K bytes -> (q - 32 int8 [n, k/32, 32] in -32..31, d*sc fp32 [n, k/32, 2]: the scale of each
     block's two 16-weight sub-blocks); exact in fp32."""
+    q, d, sc = _q6k_fields(raw, n, k)
+    return (q.astype(np.int16) - 32).astype(np.int8), (d[..., None] * sc.astype(np.float32)).reshape(n, -1, 2)
+
+
+def _q6k_fields(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K bytes -> (q uint8 [n, k/32, 32] in 0..63, d fp32 [n, k/256], sc int8 [n, k/256, 16])."""
     b = _super_blocks(raw, n, k, 210)
     ns = k // 256
     ql = b[..., 0:128].reshape(n, ns, 2, 64)
     qh = b[..., 128:192].reshape(n, ns, 2, 1, 32)
     low = np.concatenate([ql & 0x0F, ql >> 4], axis=-1)                       # [n, ns, 2, 128]
     high = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3).reshape(n, ns, 2, 128)
-    q = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1, 32)
+    q = (low | (high << 4)).reshape(n, -1, 32)
     d = b[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)    # [n, ns]
-    sc = b[..., 192:208].view(np.int8).astype(np.float32)                     # [n, ns, 16]
-    return q, (d[..., None] * sc).reshape(n, -1, 2)
+    return q, d, b[..., 192:208].view(np.int8)
 
 
 def dequantize_packed(w: QuantWeight) -> np.ndarray:
@@ -252,12 +267,20 @@ def dequantize_packed(w: QuantWeight) -> np.ndarray:
         sm = sc[..., :256].reshape(g, ns, 8, 2, 16).astype(np.float32)
         dd = np.ascontiguousarray(sc[..., 256:]).view(np.float32).reshape(g, ns, 1, 2, 16)
         sc = (dd * sm).reshape(g, nb, 2, 16)
-    sc = sc.astype(np.float32)
     if w.fmt == FMT_Q6K:
-        q = qs.reshape(g, nb, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(g * 16, nb, 2, 16).astype(np.float32)
-        d = sc.transpose(0, 3, 1, 2).reshape(g * 16, nb, 2, 1)
-        out = d * q
-    elif w.fmt == FMT_Q8:
+        ns = nb // 8
+        lo = qs[..., :256].reshape(g, nb, 8, 16, 2).transpose(0, 3, 1, 2, 4)          # [G, c, nb, j, e]
+        lo = np.concatenate([lo & 0x0F, lo >> 4], axis=-1)                            # k % 4 = e, 2 + e
+        hb = qs[..., 256:].reshape(g, nb, 4, 16, 2).transpose(0, 3, 1, 2, 4)          # [G, c, nb, t, e]
+        h = np.stack([hb & 0x0F, hb >> 4], axis=-2).reshape(g, 16, nb, 8, 2)           # chunk j = 2t, 2t+1
+        hi = np.concatenate([h & 3, (h >> 2) & 3], axis=-1)
+        q = ((lo | (hi << 4)).astype(np.float32) - 32).reshape(g * 16, nb, 2, 16)
+        s16 = sc[..., :256].view(np.int8).reshape(g, ns, 16, 16).astype(np.float32)   # [G, ns, sub, c]
+        d = np.ascontiguousarray(sc[..., 256:]).view(np.float32).reshape(g, ns, 1, 16)
+        scale = (d * s16).transpose(0, 3, 1, 2).reshape(g * 16, nb, 2, 1)
+        return (scale * q).reshape(g * 16, nb * 32)[: w.n]
+    sc = sc.astype(np.float32)
+    if w.fmt == FMT_Q8:
         q = qs.reshape(g, nb, 16, 16, 2).transpose(0, 3, 1, 2, 4).reshape(g * 16, nb, 32).astype(np.float32)
         d = sc[:, :, 0, :].transpose(0, 2, 1).reshape(g * 16, nb, 1)
         out = d * q

@@ -6,8 +6,8 @@
 //
 //   // x: [..., K] bf16 (K a multiple of 32). qs, scales: the repacked weight (layout below) of an
 //   // [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d), 2 = Q4_K (as 1
-//   // with fp32 d, m per 32: d = d_super*sc_j, m = -dmin_super*m_j), 3 = Q6_K (as 0 with the 6-bit
-//   // q-32 and one fp32 scale d_super*sc_j per 16). Returns [..., N] bf16, each element rounded
+//   // with fp32 d, m per 32: d = d_super*sc_j, m = -dmin_super*m_j), 3 = Q6_K (the 6-bit q-32 and
+//   // one fp32 scale d_super*sc_j per 16). Returns [..., N] bf16, each element rounded
 //   // once (RNE) from the fp32 value defined under "Arithmetic".
 //   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
 //   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests, no AVX-512)
@@ -21,9 +21,14 @@
 //       6-bit sc then m of block 8s+i (16 columns each); bytes 256..319 fp32 d[16], 320..383 fp32
 //       -dmin[16] (the fp16 super-block values). The block's d' = d*sc and m' = -dmin*m are formed
 //       in fp32 (exact: 11 x 6 bits), so the arithmetic below sees the exact products.
-//   fmt 0, 3 (Q8_0, Q6_K): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e] (Q6_K: q-32).
-//       scales fp16 [G, nb, 1, 16]: d (fmt 0); fp32 [G, nb, 2, 16] (fmt 3): the scale of k 0..15 of
-//       the block, then of k 16..31.
+//   fmt 3 (Q6_K, q = 0..63, w = d*(q-32)): qs uint8 [G, nb, 384]: bytes 0..255 the low nibbles in
+//       the fmt 1 layout; bytes 256 + 32t .. +31 (t = 0..3) the top two bits of chunks j = 2t (low
+//       nibble of each byte) and 2t+1 (high nibble), each nibble h | h' << 2 for the two values its
+//       chunk's byte holds. scales uint8 [G, nb/8, 320], per super-block: bytes 32i..32i+31 the int8
+//       sc of k 0..15 then k 16..31 of block 8s+i (16 columns each), bytes 256..319 fp32 d[16].
+//       The scale d*sc is formed in fp32 (exact: 11 x 8 bits).
+//   fmt 0 (Q8_0): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e].
+//       scales fp16 [G, nb, 1, 16]: d.
 // So one 32-byte load is one or two k-pairs x 16 columns, already in the pair order of the
 // VDPBF16PS B operand (as the bf16 GEMM's VNNI packing, cpu_gemm.cpp).
 //
@@ -48,7 +53,7 @@
 //
 // Speed: Q4 nibbles -> bf16 words is one vpmovzxbw per two k-pairs and one vpermw table lookup per
 // k-pair (the 16 values 0..15 as bf16), so a decode step streams ~5 bits/weight instead of 16
-// (Q4_K: 4.75; Q6_K, stored as int8 with an fp32 scale per 16: 10).
+// (Q4_K: 4.75; Q6_K: 6.625, its 6-bit values looked up in a 64-word table with vpermt2w).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -90,13 +95,14 @@ inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10:
 
 // Format traits: nibbles (Q4, Q4_K) or int8 (Q8_0, Q6_K); a block minimum (Q4, Q4_K); two
 // 16-sub-blocks per block (Q6_K). The K-quants' scales d_super * sc_j are exact in fp32, not fp16.
-constexpr bool fmt_nib(int fmt) { return fmt == 1 || fmt == 2; }
+constexpr bool fmt_nib(int fmt) { return fmt >= 1; }  // a low-nibble plane in the Q4 layout
+constexpr bool fmt_hi2(int fmt) { return fmt == 3; }  // plus a plane of the top two bits (Q6_K)
 constexpr bool fmt_min(int fmt) { return fmt == 1 || fmt == 2; }
 constexpr bool fmt_halves(int fmt) { return fmt == 3; }
-inline int64_t qs_block_bytes(int fmt) { return fmt_nib(fmt) ? 256 : 512; }
+inline int64_t qs_block_bytes(int fmt) { return fmt == 0 ? 512 : fmt == 3 ? 384 : 256; }
 // Bytes of scales per (group, block): fp16 d (Q8_0); fp16 d, m (Q4); Q4_K: 384 per 8 blocks;
 // fp32 two scales (Q6_K).
-inline int64_t sc_group_block_bytes(int fmt) { return fmt == 0 ? 32 : fmt == 1 ? 64 : fmt == 2 ? 48 : 128; }
+inline int64_t sc_group_block_bytes(int fmt) { return fmt == 0 ? 32 : fmt == 1 ? 64 : fmt == 2 ? 48 : 40; }
 
 inline float f32_at(const uint8_t* p) {
   float f;
@@ -111,7 +117,10 @@ inline float scale_at(int fmt, const uint8_t* gs, int64_t b, int which, int c) {
     const uint8_t* sb = gs + (b / 8) * 384;
     return f32_at(sb + 256 + 64 * which + 4 * c) * static_cast<float>(sb[(b % 8) * 32 + 16 * which + c]);
   }
-  if (fmt == 3) return f32_at(gs + b * 128 + 64 * which + 4 * c);
+  if (fmt == 3) {
+    const uint8_t* sb = gs + (b / 8) * 320;
+    return f32_at(sb + 256 + 4 * c) * static_cast<float>(static_cast<int8_t>(sb[(b % 8) * 32 + 16 * which + c]));
+  }
   uint16_t h;
   std::memcpy(&h, gs + b * sc_group_block_bytes(fmt) + 32 * which + 2 * c, sizeof(h));
   return half_to_f(h);
@@ -127,10 +136,14 @@ inline float block_sum_scalar(const uint16_t* x) {
 // The integer q[n][k] of the repacked weight (reference path).
 inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
   if (fmt_nib(fmt)) {
-    const uint8_t* chunk = gq + b * 256 + (k / 4) * 32;
-    const int kk = k % 4;
-    const uint8_t byte = chunk[2 * c + (kk & 1)];
-    return kk < 2 ? (byte & 0xF) : (byte >> 4);
+    const uint8_t* blk = gq + b * qs_block_bytes(fmt);
+    const int j = k / 4, kk = k % 4;
+    const uint8_t byte = blk[j * 32 + 2 * c + (kk & 1)];
+    const int lo = kk < 2 ? (byte & 0xF) : (byte >> 4);
+    if (!fmt_hi2(fmt)) return lo;
+    const uint8_t hb = blk[256 + (j / 2) * 32 + 2 * c + (kk & 1)];
+    const int h = (j & 1) ? (hb >> 4) : (hb & 0xF);
+    return (lo | (((kk < 2 ? h : h >> 2) & 3) << 4)) - 32;
   }
   const int8_t* row = reinterpret_cast<const int8_t*>(gq + b * 512 + (k / 2) * 32);
   return row[2 * c + (k & 1)];
@@ -199,10 +212,40 @@ inline __m512 load_scales(const uint8_t* gs, int64_t b, int which) {
     const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (b % 8) * 32 + 16 * which))));
     return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(sb + 256 + 64 * which)), s);
   } else if constexpr (FMT == 3) {
-    return _mm512_loadu_ps(reinterpret_cast<const float*>(gs + b * 128 + 64 * which));
+    const uint8_t* sb = gs + (b / 8) * 320;
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (b % 8) * 32 + 16 * which))));
+    return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(sb + 256)), s);
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + b * (FMT == 0 ? 32 : 64) + 32 * which)));
   }
+}
+
+// 64 words: bf16 of i - 32 (Q6_K), the two 32-word halves of a vpermt2w table.
+inline __m512i q6_table(int half) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16(static_cast<float>(32 * half + i - 32));
+  return _mm512_load_si512(t);
+}
+
+// The 32 bf16 words (16 columns x one k-pair) of k-pair 2j+half of a block: w = the chunk's 32
+// nibble bytes as words, h = its top-two-bits nibbles as words (Q6_K; ignored otherwise).
+template <int FMT>
+inline __m512i decode_pair(__m512i w, __m512i h, int half, __m512i table, __m512i t6lo, __m512i t6hi) {
+  if constexpr (fmt_hi2(FMT)) {
+    // index bits 0..3: the nibble; bits 4..5: the top bits (vpermt2w ignores bits 6 and up)
+    const __m512i lo = half ? _mm512_srli_epi16(w, 4) : w;
+    const __m512i hi = half ? _mm512_slli_epi16(h, 2) : _mm512_slli_epi16(h, 4);
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x0F), lo, hi, 0xCA);  // a ? b : c
+    return _mm512_permutex2var_epi16(t6lo, idx, t6hi);
+  } else {
+    return _mm512_permutexvar_epi16(half ? _mm512_srli_epi16(w, 4) : w, table);
+  }
+}
+
+// Top-two-bits plane of chunk j of block b as words (its nibble in bits 0..3).
+inline __m512i load_hi2(const uint8_t* gq, int64_t b, int j) {
+  const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq + b * 384 + 256 + (j / 2) * 32)));
+  return (j & 1) ? _mm512_srli_epi16(h, 4) : h;
 }
 
 // R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
@@ -210,6 +253,9 @@ template <int R, int C, int FMT>
 void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
            const uint8_t* const* gq, const uint8_t* const* gs, uint16_t* __restrict out, int64_t ldo,
            int64_t ncols, const float* __restrict bias, __m512i table) {
+  constexpr int64_t qb = FMT == 0 ? 512 : FMT == 3 ? 384 : 256;
+  __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
+  if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
   __m512 acc[R][C];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -228,16 +274,17 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
     if constexpr (fmt_nib(FMT)) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        __m512i w[C];
+        __m512i w[C], h[C];
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c)
-          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * 256 + j * 32)));
+        for (int c = 0; c < C; ++c) {
+          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * qb + j * 32)));
+          h[c] = fmt_hi2(FMT) ? load_hi2(gq[c], b, j) : w[c];
+        }
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m512i bv[C];
 #pragma GCC unroll 4
-          for (int c = 0; c < C; ++c)
-            bv[c] = _mm512_permutexvar_epi16(half ? _mm512_srli_epi16(w[c], 4) : w[c], table);
+          for (int c = 0; c < C; ++c) bv[c] = decode_pair<FMT>(w[c], h[c], half, table, t6lo, t6hi);
           const int64_t k = b * 32 + 4 * j + 2 * half;
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
@@ -246,6 +293,19 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
             const __m512i xv = _mm512_set1_epi32(pair);
 #pragma GCC unroll 4
             for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
+          }
+          if constexpr (fmt_halves(FMT)) {
+            if (half == 1 && j % 4 == 3) {  // Q6_K: k-pair 2j+1 = 7 or 15 ends a 16-weight sub-block
+#pragma GCC unroll 4
+              for (int c = 0; c < C; ++c) {
+                const __m512 dv = load_scales<FMT>(gs[c], b, j / 4);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) {
+                  acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+                  p[r][c] = _mm512_setzero_ps();
+                }
+              }
+            }
           }
         }
       }
@@ -268,19 +328,6 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
           const __m512i xv = _mm512_set1_epi32(pair);
 #pragma GCC unroll 4
           for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
-        }
-        if constexpr (fmt_halves(FMT)) {
-          if (kp % 8 == 7) {  // Q6_K: fold the 16-weight sub-block kp / 8 and restart p
-#pragma GCC unroll 4
-            for (int c = 0; c < C; ++c) {
-              const __m512 dv = load_scales<FMT>(gs[c], b, kp / 8);
-#pragma GCC unroll 4
-              for (int r = 0; r < R; ++r) {
-                acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-                p[r][c] = _mm512_setzero_ps();
-              }
-            }
-          }
         }
       }
     }
@@ -427,11 +474,14 @@ void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, in
       _mm512_store_ps(bs, load_scales<FMT>(gs[i], b, 0));
       _mm512_store_ps(bs + 16, FMT == 0 ? _mm512_setzero_ps() : load_scales<FMT>(gs[i], b, 1));
       if constexpr (fmt_nib(FMT)) {
+        constexpr int64_t qb = FMT == 3 ? 384 : 256;
+        __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
+        if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
         for (int j = 0; j < 8; ++j) {
-          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * 256 + j * 32)));
-          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), _mm512_permutexvar_epi16(w, table));
-          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32),
-                             _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * qb + j * 32)));
+          const __m512i h = fmt_hi2(FMT) ? load_hi2(gq[i], b, j) : w;
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), decode_pair<FMT>(w, h, 0, table, t6lo, t6hi));
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32), decode_pair<FMT>(w, h, 1, table, t6lo, t6hi));
         }
       } else {
         for (int kp = 0; kp < 16; ++kp) {
@@ -553,11 +603,11 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
   const int64_t G = ceil_div(N, kGroup), nb = K / kQBlock;
   TORCH_CHECK(qs.is_contiguous() && qs.numel() * qs.element_size() == G * nb * qs_block_bytes(fmt),
               "gemm_gguf: qs size does not match (N, K, fmt)");
-  const at::ScalarType sdt = fmt == 2 ? at::kByte : fmt == 3 ? at::kFloat : at::kHalf;
-  TORCH_CHECK(fmt != 2 || nb % 8 == 0, "gemm_gguf: Q4_K needs K % 256 == 0");
+  const at::ScalarType sdt = fmt >= 2 ? at::kByte : at::kHalf;
+  TORCH_CHECK(fmt < 2 || nb % 8 == 0, "gemm_gguf: the K-quants need K % 256 == 0");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == sdt &&
               scales.numel() * scales.element_size() == G * nb * sc_group_block_bytes(static_cast<int>(fmt)),
-              "gemm_gguf: scales must be float16 (fmt 0, 1), uint8 (fmt 2) or float32 (fmt 3) matching (N, K, fmt)");
+              "gemm_gguf: scales must be float16 (fmt 0, 1) or uint8 (fmt 2, 3) matching (N, K, fmt)");
   Prepared p;
   p.out_shape.assign(x.sizes().begin(), x.sizes().end());
   p.out_shape.back() = N;
