@@ -3,7 +3,8 @@ Q4_1 / Q4_K / Q6_K blocks and run on :func:`gemm_gguf` (``tinyvllm/kernels/cpu/c
 
 At load, each quantized linear tensor of the GGUF file is repacked once (numpy, vectorised) into the
 kernel's layout: groups of 16 output columns, per GGUF block of 32 k the integers in the VDPBF16PS
-pair order and the fp16 scales split out (layout: the kernel's header comment). The repack is exact:
+pair order and the scales split out (fp16; the K-quants: their 6/8-bit sub-block scales and fp32
+super-block scales) (layout: the kernel's header comment). The repack is exact:
 :func:`dequantize_packed` gives back the very float32 values ``gguf.quants.dequantize`` gives.
 
 What stays dequantized (bf16): the token embedding table for the lookup (only the rows a step reads
