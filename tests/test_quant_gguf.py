@@ -1,5 +1,6 @@
 """Native GGUF quantized weights (``--quantization gguf``): repack exactness, the kernel against a
-float64 reference, batch invariance, the engine on the embedded Q4_1/Q8_0 model, errors and the flag."""
+float64 reference, batch invariance, the engine on the embedded Q4_1/Q8_0 model and on a random
+Q4_K_M-style (Q4_K + Q6_K) GGUF, errors and the flag."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from tinyvllm.benchmarks.random_gguf import random_blocks, write_random_gguf
+from tinyvllm.benchmarks.random_gguf import Q4_K_M, random_blocks, write_random_gguf
 from tinyvllm.model import gguf_quant
-from tinyvllm.model.gguf_quant import UnsupportedQuantError, dequantize_packed, repack
+from tinyvllm.model.gguf_quant import QuantParts, UnsupportedQuantError, dequantize_packed, repack
 
 gguf = pytest.importorskip("gguf")
 
@@ -41,9 +42,33 @@ def test_repack_gives_gguf_dequantize_exactly(qtype, n):
     assert np.array_equal(dequantize_packed(w), ref)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_kernel_matches_float64_reference(kern, qtype):
-    n, k = 70, 160
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("n,k", [(48, 256), (37, 512), (16, 768)])  # 37: a padded last group
+def test_repack_kquants_gives_gguf_dequantize_exactly(qtype, n, k):
+    """Q4_K's (d*sc)*q - dmin*m and Q6_K's (d*sc)*(q-32) from the repacked blocks equal gguf's float32
+    dequantize bit for bit (the fp32 products d*sc, dmin*m are exact)."""
+    w, ref = _weight(qtype, n, k, seed=n)
+    assert w.scales.dtype == torch.uint8 and w.nbytes * 8 == {"Q4_K": 4.75, "Q6_K": 6.625}[qtype] * -(-n // 16) * 16 * k
+    assert np.array_equal(dequantize_packed(w), ref)
+
+
+def test_kquant_generator_covers_the_scale_bits():
+    """The random Q4_K blocks use 6-bit scales/mins >= 16 and Q6_K scales of both signs, so the tests
+    above see the packed high bits and negative scales (a generator that never set them would let a
+    repack that drops them pass)."""
+    raw = random_blocks(np.random.default_rng(0), 16, 512, "Q4_K", 0.05).reshape(16, 2, 144)
+    _, dsc, dmn = gguf_quant._q4k_ints(raw.reshape(16, -1), 16, 512)
+    d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
+    sc = dsc.reshape(16, 2, 8) / d
+    assert (sc >= 32).any() and (sc < 16).any() and (dmn > 0).all()
+    raw6 = random_blocks(np.random.default_rng(0), 16, 512, "Q6_K", 0.05)
+    q, dsc6 = gguf_quant._q6k_ints(raw6, 16, 512)
+    assert (dsc6 < 0).any() and (dsc6 > 0).any() and q.min() == -32 and q.max() == 31
+
+
+@pytest.mark.parametrize("qtype,k", [("Q8_0", 160), ("Q4_0", 160), ("Q4_1", 160), ("Q4_K", 512), ("Q6_K", 512)])
+def test_kernel_matches_float64_reference(kern, qtype, k):
+    n = 70
     w, ref = _weight(qtype, n, k, seed=1)
     g = torch.Generator().manual_seed(0)
     for m in (1, 2, 3, 9):  # in-register tiles (M <= 2) and the scratch path
@@ -59,9 +84,24 @@ def test_kernel_matches_float64_reference(kern, qtype):
         assert torch.equal(kern.gemm_gguf_ref(x, w.qs, w.scales, w.fmt, n, k, bias), y)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
-def test_rows_are_batch_invariant(kern, qtype):
-    n, k = 80, 128
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_kquant_kernel_equals_scalar_loop_at_larger_m(kern, qtype):
+    """AVX-512 == the portable scalar loop bit for bit on the scratch path with several M tiles and a
+    padded last group. Large enough (16k outputs, 64 blocks each) that a change of one fp32 rounding
+    per fold (mul + add for fma) shows through the final bf16 rounding."""
+    n, k = 250, 2048
+    w, _ = _weight(qtype, n, k, seed=4)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(kern.gemm_gguf(x, w.qs, w.scales, w.fmt, n, k, bias),
+                       kern.gemm_gguf_ref(x, w.qs, w.scales, w.fmt, n, k, bias))
+
+
+@pytest.mark.parametrize("qtype,n,k", [("Q8_0", 80, 128), ("Q4_1", 80, 128), ("Q4_K", 512, 1024), ("Q6_K", 512, 1024)])
+def test_rows_are_batch_invariant(kern, qtype, n, k):
+    """Every M = 1..20 at two row offsets, and each row alone, equals those rows of one M = 21 call
+    (the in-register M <= 2 tiles vs the scratch path). The K-quant shapes are large enough that one
+    changed fp32 rounding per fold in one path shows through the bf16 outputs (tried: 4 rows differ)."""
     w, _ = _weight(qtype, n, k, seed=2)
     g = torch.Generator().manual_seed(1)
     big = torch.randn(21, k + 32, generator=g).to(torch.bfloat16)
@@ -70,12 +110,30 @@ def test_rows_are_batch_invariant(kern, qtype):
         for off in (0, 21 - m):
             part = kern.gemm_gguf(big[off:off + m, :k].contiguous(), w.qs, w.scales, w.fmt, n, k)
             assert torch.equal(part, full[off:off + m]), (m, off)
+    for i in range(21):
+        assert torch.equal(kern.gemm_gguf(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
 def test_unsupported_type_is_named():
-    raw = np.zeros((16, 144), dtype=np.uint8)
-    with pytest.raises(UnsupportedQuantError, match=r"'blk\.3\.ffn_up\.weight'.*Q4_K"):
-        repack(raw, "Q4_K", 16, 256, "blk.3.ffn_up.weight")
+    raw = np.zeros((16, 176), dtype=np.uint8)  # one Q5_K super-block per row
+    with pytest.raises(UnsupportedQuantError, match=r"'blk\.3\.ffn_up\.weight'.*Q5_K"):
+        repack(raw, "Q5_K", 16, 256, "blk.3.ffn_up.weight")
+
+
+def test_mixed_format_fusion_runs_each_part(kern):
+    """Q/K in Q4_K and V in Q6_K (a Q4_K_M layer) fuse into QuantParts: [Q+K (one Q4_K weight), V];
+    its output is the concatenation of the parts' outputs, bias sliced per part."""
+    q, _ = _weight("Q4_K", 64, 256, seed=7)
+    kk, _ = _weight("Q4_K", 32, 256, seed=8)
+    v, _ = _weight("Q6_K", 32, 256, seed=9)
+    f = gguf_quant._fuse([q, kk, v])
+    assert isinstance(f, QuantParts) and [p.n for p in f.parts] == [96, 32] and (f.n, f.k) == (128, 256)
+    assert f.qtype == "Q4_K+Q6_K" and f.nbytes == q.nbytes + kk.nbytes + v.nbytes
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    bias = torch.randn(128, generator=torch.Generator().manual_seed(1))
+    want = torch.cat([p.run(kern, x, bias[o:o + p.n]) for p, o in ((q, 0), (kk, 64), (v, 96))], dim=-1)
+    assert torch.equal(f.run(kern, x, bias), want)
+    assert isinstance(gguf_quant._fuse([q, kk]), gguf_quant.QuantWeight)
 
 
 def test_flag_validation():
@@ -211,3 +269,53 @@ def test_resolve_quantization_rules(tmp_path):
     with pytest.raises(ValueError, match="not a GGUF"):
         gguf_quant.resolve_quantization("gguf", tmp_path, torch.bfloat16, "cpu")
     assert gguf_quant.resolve_quantization("auto", d, torch.bfloat16, "cpu") is not None
+
+
+def test_random_q4_k_m_gguf_native_matches_float32(kern, tmp_path, monkeypatch):
+    """A random Q4_K_M-style GGUF (Q4_K linears, Q6_K attn_v / ffn_down in layers 2 and 3, a Q6_K tied
+    LM head) runs natively under --quantization gguf: mixed Q/K/V become two kernel calls, greedy tokens
+    are batch invariant and track the dequantized float32 model, and the second load (from the native
+    cache) gives the same weights."""
+    from tinyvllm import LLM, SamplingParams
+
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "cache"))  # after `kern`: the build stays where it is
+    path = write_random_gguf(tmp_path / "q4km.gguf", hidden=256, layers=4, heads=4, kv_heads=2, inter=512,
+                             qtype=Q4_K_M, embd_qtype="Q6_K", seed=5, embd_std=0.25)
+    nat = LLM(str(path), dtype="bfloat16", quantization="gguf")
+    model = nat.llm_engine.core.model
+    assert model.quantization == "gguf" and model.lm_head_quant.qtype == "Q6_K"
+    qkv = [model.layers[i].self_attn.qkv_proj.quant for i in range(4)]
+    down = [model.layers[i].mlp.down_proj.quant.qtype for i in range(4)]
+    assert [type(q).__name__ for q in qkv] == ["QuantWeight", "QuantWeight", "QuantParts", "QuantParts"]
+    assert down == ["Q4_K", "Q4_K", "Q6_K", "Q6_K"]
+    assert {model.layers[i].mlp.gate_up_proj.quant.qtype for i in range(4)} == {"Q4_K"}
+
+    ref = LLM(str(path), dtype="float32", quantization="none")
+    sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    prompts = [[1, 5 + i, 17, 300 + 7 * i, 42] for i in range(8)]
+    a = nat.generate(_tok(prompts), sp)
+    b = ref.generate(_tok(prompts), sp)
+    # embd_std 0.25: peaked distributions (float32 top logprob ~ -0.9, 0.3-1.6 above the second), so
+    # the logprobs compare something. Measured: all 8 agree, |d logprob| 0.047 mean, 0.11 max (the
+    # dequantized bf16 path: 0.046, 0.077; both are bf16-activation noise).
+    agree, diffs = 0, []
+    for x, y in zip(a, b):
+        top = y.outputs[0].token_ids[0]
+        agree += x.outputs[0].token_ids[0] == top
+        assert top in x.outputs[0].logprobs[0]
+        diffs.append(abs(_lp(x.outputs[0].logprobs[0][top]) - _lp(y.outputs[0].logprobs[0][top])))
+    assert agree >= len(prompts) - 1 and max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.1, (agree, diffs)
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    together = [o.outputs[0].token_ids for o in nat.generate(_tok(prompts), sp)]
+    assert together == [nat.generate(_tok([p]), sp)[0].outputs[0].token_ids for p in prompts]
+
+    cached = gguf_quant.load_native(path, 4, 2)["weights"]  # from the cache file the first load wrote
+    assert isinstance(cached["layers.2.self_attn.qkv_proj"], QuantParts)
+    for name, w in cached.items():
+        got = [w] if not isinstance(w, QuantParts) else w.parts
+        want = model.lm_head_quant if name == "lm_head" else model.layers[int(name.split(".")[1])].get_submodule(
+            name.split(".", 2)[2]).quant
+        want = [want] if not isinstance(want, QuantParts) else want.parts
+        assert [(p.fmt, p.n, p.qtype) for p in got] == [(p.fmt, p.n, p.qtype) for p in want]
+        assert all(torch.equal(p.qs, r.qs) and torch.equal(p.scales, r.scales) for p, r in zip(got, want))

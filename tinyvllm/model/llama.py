@@ -131,7 +131,7 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    quant: Any = None  # a gguf_quant.QuantWeight once quantize() ran (native GGUF blocks)
+    quant: Any = None  # a gguf_quant.QuantWeight (or QuantParts) once quantize() ran (native GGUF blocks)
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # see Embedding.reset_parameters
@@ -154,8 +154,7 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
         if self.quant is not None:
-            q = self.quant
-            return self._kern.gemm_gguf(x, q.qs, q.scales, q.fmt, q.n, q.k, self.bias)
+            return self.quant.run(self._kern, x, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
 
 
@@ -320,8 +319,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         if self.lm_head_quant is not None:
-            q = self.lm_head_quant
-            return self.lm_head_quant_kern.gemm_gguf(hidden, q.qs, q.scales, q.fmt, q.n, q.k, None).float()
+            return self.lm_head_quant.run(self.lm_head_quant_kern, hidden, None).float()
         if self.lm_head_packed is not None:
             cfg = self.config
             return self._kern.gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None).float()

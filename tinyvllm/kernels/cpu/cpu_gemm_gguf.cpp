@@ -1,21 +1,33 @@
-// Batch-invariant linear layer on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1), bf16 activations:
-// y = x @ W^T (+ bias) with W kept in its 4/8-bit blocks, repacked once at load
+// Batch-invariant linear layer on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), bf16
+// activations: y = x @ W^T (+ bias) with W kept in its 4/6/8-bit blocks, repacked once at load
 // (tinyvllm/model/gguf_quant.py) into the layout below.
 //
 // Interface (bound by the pybind module in cpu_kernel.cpp):
 //
 //   // x: [..., K] bf16 (K a multiple of 32). qs, scales: the repacked weight (layout below) of an
-//   // [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d). Returns [..., N]
-//   // bf16, each element rounded once (RNE) from the fp32 value defined under "Arithmetic".
+//   // [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d), 2 = Q4_K (as 1
+//   // with fp32 d, m per 32: d = d_super*sc_j, m = -dmin_super*m_j), 3 = Q6_K (the 6-bit q-32 and
+//   // one fp32 scale d_super*sc_j per 16). Returns [..., N] bf16, each element rounded
+//   // once (RNE) from the fp32 value defined under "Arithmetic".
 //   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
 //   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests, no AVX-512)
 //
-// Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per GGUF
-// block b of 32 k (nb = K/32):
-//   fmt 1 (Q4): qs uint8 [G, nb, 8, 32]; chunk j covers k = 4j..4j+3 of the block;
+// Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per block b of
+// 32 k (nb = K/32; a K-quant super-block of 256 is 8 such blocks):
+//   fmt 1, 2 (Q4, Q4_K): qs uint8 [G, nb, 8, 32]; chunk j covers k = 4j..4j+3 of the block;
 //       byte 2c+e (c = column in the group, e = 0/1) = q[c][4j+e] | q[c][4j+2+e] << 4.
-//       scales fp16 [G, nb, 2, 16]: d then m of each column's block.
-//   fmt 0 (Q8): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e].
+//       fmt 1: scales fp16 [G, nb, 2, 16]: d then m of each column's block.
+//       fmt 2: scales uint8 [G, nb/8, 384], per super-block s of 8 blocks: bytes 32i..32i+31 the
+//       6-bit sc then m of block 8s+i (16 columns each); bytes 256..319 fp32 d[16], 320..383 fp32
+//       -dmin[16] (the fp16 super-block values). The block's d' = d*sc and m' = -dmin*m are formed
+//       in fp32 (exact: 11 x 6 bits), so the arithmetic below sees the exact products.
+//   fmt 3 (Q6_K, q = 0..63, w = d*(q-32)): qs uint8 [G, nb, 384]: bytes 0..255 the low nibbles in
+//       the fmt 1 layout; bytes 256 + 32t .. +31 (t = 0..3) the top two bits of chunks j = 2t (low
+//       nibble of each byte) and 2t+1 (high nibble), each nibble h | h' << 2 for the two values its
+//       chunk's byte holds. scales uint8 [G, nb/8, 320], per super-block: bytes 32i..32i+31 the int8
+//       sc of k 0..15 then k 16..31 of block 8s+i (16 columns each), bytes 256..319 fp32 d[16].
+//       The scale d*sc is formed in fp32 (exact: 11 x 8 bits).
+//   fmt 0 (Q8_0): qs int8 [G, nb, 16, 32]; row kp holds byte 2c+e = q[c][2kp+e].
 //       scales fp16 [G, nb, 1, 16]: d.
 // So one 32-byte load is one or two k-pairs x 16 columns, already in the pair order of the
 // VDPBF16PS B operand (as the bf16 GEMM's VNNI packing, cpu_gemm.cpp).
@@ -25,9 +37,14 @@
 // element (m, n), with fp32 lanes:
 //     acc = 0
 //     for b in 0..nb-1:                      // fixed k order, no split-K
+//       if Q6_K:
+//         for h in 0, 1:                     // the two 16-weight sub-blocks of the block
+//           p = 0;  for kp in 8h..8h+7: p = dpbf16(p, x[m, 32b+2kp : +2], q[n, 32b+2kp : +2])
+//           acc = fma(p, d[n,b,h], acc)
+//       else:
 //         p = 0;  for kp in 0..15: p = dpbf16(p, x[m, 32b+2kp : +2], q[n, 32b+2kp : +2])
 //         acc = fma(p, d[n,b], acc)
-//         if Q4: acc = fma(xs[m,b], m[n,b], acc)    // xs[m,b] = sum of x[m, 32b : 32b+32] (fixed order)
+//         if Q4, Q4_K: acc = fma(xs[m,b], m[n,b], acc)  // xs[m,b] = sum of x[m, 32b : 32b+32] (fixed order)
 //     y = bf16_rne(acc (+ bias[n]))
 // i.e. the block factorisation sum_b d_b (x . q)_b + m_b sum(x)_b (the one llama.cpp's
 // ggml_vec_dot_q4_1_q8_1 uses, but with bf16 activations instead of int8-quantized ones, and the
@@ -35,7 +52,8 @@
 // model than the bf16 path). Row m's result depends on nothing but row m and W: batch invariant.
 //
 // Speed: Q4 nibbles -> bf16 words is one vpmovzxbw per two k-pairs and one vpermw table lookup per
-// k-pair (the 16 values 0..15 as bf16), so a decode step streams ~5 bits/weight instead of 16.
+// k-pair (the 16 values 0..15 as bf16), so a decode step streams ~5 bits/weight instead of 16
+// (Q4_K: 4.75; Q6_K: 6.625, its 6-bit values looked up in a 64-word table with vpermt2w).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -75,8 +93,38 @@ inline uint16_t f_to_bf16(float f) {
 
 inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
-inline int64_t qs_block_bytes(int fmt) { return fmt == 1 ? 256 : 512; }
-inline int64_t sc_block_elems(int fmt) { return fmt == 1 ? 32 : 16; }
+// Format traits: nibbles (Q4, Q4_K) or int8 (Q8_0, Q6_K); a block minimum (Q4, Q4_K); two
+// 16-sub-blocks per block (Q6_K). The K-quants' scales d_super * sc_j are exact in fp32, not fp16.
+constexpr bool fmt_nib(int fmt) { return fmt >= 1; }  // a low-nibble plane in the Q4 layout
+constexpr bool fmt_hi2(int fmt) { return fmt == 3; }  // plus a plane of the top two bits (Q6_K)
+constexpr bool fmt_min(int fmt) { return fmt == 1 || fmt == 2; }
+constexpr bool fmt_halves(int fmt) { return fmt == 3; }
+inline int64_t qs_block_bytes(int fmt) { return fmt == 0 ? 512 : fmt == 3 ? 384 : 256; }
+// Bytes of scales per (group, block): fp16 d (Q8_0); fp16 d, m (Q4); Q4_K: 384 per 8 blocks;
+// fp32 two scales (Q6_K).
+inline int64_t sc_group_block_bytes(int fmt) { return fmt == 0 ? 32 : fmt == 1 ? 64 : fmt == 2 ? 48 : 40; }
+
+inline float f32_at(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, sizeof(f));
+  return f;
+}
+
+// Column c's scale `which` (0: d, or Q6_K's first 16; 1: m, or Q6_K's second 16) of block b, as fp32.
+// gs: the group's scales at block 0.
+inline float scale_at(int fmt, const uint8_t* gs, int64_t b, int which, int c) {
+  if (fmt == 2) {
+    const uint8_t* sb = gs + (b / 8) * 384;
+    return f32_at(sb + 256 + 64 * which + 4 * c) * static_cast<float>(sb[(b % 8) * 32 + 16 * which + c]);
+  }
+  if (fmt == 3) {
+    const uint8_t* sb = gs + (b / 8) * 320;
+    return f32_at(sb + 256 + 4 * c) * static_cast<float>(static_cast<int8_t>(sb[(b % 8) * 32 + 16 * which + c]));
+  }
+  uint16_t h;
+  std::memcpy(&h, gs + b * sc_group_block_bytes(fmt) + 32 * which + 2 * c, sizeof(h));
+  return half_to_f(h);
+}
 
 // Sum of x[r, 32b : 32b+32] in a fixed order: s = ((x0 + x1) + x2) + ... (scalar, the reference's).
 inline float block_sum_scalar(const uint16_t* x) {
@@ -87,26 +135,30 @@ inline float block_sum_scalar(const uint16_t* x) {
 
 // The integer q[n][k] of the repacked weight (reference path).
 inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
-  if (fmt == 1) {
-    const uint8_t* chunk = gq + b * 256 + (k / 4) * 32;
-    const int kk = k % 4;
-    const uint8_t byte = chunk[2 * c + (kk & 1)];
-    return kk < 2 ? (byte & 0xF) : (byte >> 4);
+  if (fmt_nib(fmt)) {
+    const uint8_t* blk = gq + b * qs_block_bytes(fmt);
+    const int j = k / 4, kk = k % 4;
+    const uint8_t byte = blk[j * 32 + 2 * c + (kk & 1)];
+    const int lo = kk < 2 ? (byte & 0xF) : (byte >> 4);
+    if (!fmt_hi2(fmt)) return lo;
+    const uint8_t hb = blk[256 + (j / 2) * 32 + 2 * c + (kk & 1)];
+    const int h = (j & 1) ? (hb >> 4) : (hb & 0xF);
+    return (lo | (((kk < 2 ? h : h >> 2) & 3) << 4)) - 32;
   }
   const int8_t* row = reinterpret_cast<const int8_t*>(gq + b * 512 + (k / 2) * 32);
   return row[2 * c + (k & 1)];
 }
 
-void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint16_t* sc, int fmt,
+void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
               int64_t N, int64_t K, uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
-  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_block_elems(fmt);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t g = n / kGroup;
       const int c = static_cast<int>(n % kGroup);
       const uint8_t* gq = qs + g * gq_stride;
-      const uint16_t* gs = sc + g * gs_stride;
+      const uint8_t* gs = sc + g * gs_stride;
       for (int64_t m = 0; m < M; ++m) {
         const uint16_t* xr = x + m * ldx;
         float acc = 0.0f;
@@ -116,10 +168,14 @@ void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, cons
             const int k = 2 * kp;
             p += bf16_to_f(xr[b * 32 + k + 1]) * static_cast<float>(q_at(fmt, gq, b, c, k + 1));
             p += bf16_to_f(xr[b * 32 + k]) * static_cast<float>(q_at(fmt, gq, b, c, k));
+            if (fmt_halves(fmt) && kp % 8 == 7) {  // Q6_K: fold each 16-weight sub-block
+              acc = std::fma(p, scale_at(fmt, gs, b, kp / 8, c), acc);
+              p = 0.0f;
+            }
           }
-          const uint16_t* bs = gs + b * sc_block_elems(fmt);
-          acc = std::fma(p, half_to_f(bs[c]), acc);
-          if (fmt == 1) acc = std::fma(block_sum_scalar(xr + b * 32), half_to_f(bs[16 + c]), acc);
+          if (fmt_halves(fmt)) continue;
+          acc = std::fma(p, scale_at(fmt, gs, b, 0, c), acc);
+          if (fmt_min(fmt)) acc = std::fma(block_sum_scalar(xr + b * 32), scale_at(fmt, gs, b, 1, c), acc);
         }
         if (bias) acc += bias[n];
         out[m * N + n] = f_to_bf16(acc);
@@ -147,11 +203,59 @@ inline __m512i nibble_table() {
   return _mm512_load_si512(t);
 }
 
-// R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4).
+// The 16 columns' scale `which` of block b as fp32 lanes (scale_at's vector form). gs: the group's
+// scales at block 0. Q4_K: the u8 sc (m) times the super-block's fp32 d (-dmin): exact products.
+template <int FMT>
+inline __m512 load_scales(const uint8_t* gs, int64_t b, int which) {
+  if constexpr (FMT == 2) {
+    const uint8_t* sb = gs + (b / 8) * 384;
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (b % 8) * 32 + 16 * which))));
+    return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(sb + 256 + 64 * which)), s);
+  } else if constexpr (FMT == 3) {
+    const uint8_t* sb = gs + (b / 8) * 320;
+    const __m512 s = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + (b % 8) * 32 + 16 * which))));
+    return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(sb + 256)), s);
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + b * (FMT == 0 ? 32 : 64) + 32 * which)));
+  }
+}
+
+// 64 words: bf16 of i - 32 (Q6_K), the two 32-word halves of a vpermt2w table.
+inline __m512i q6_table(int half) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16(static_cast<float>(32 * half + i - 32));
+  return _mm512_load_si512(t);
+}
+
+// The 32 bf16 words (16 columns x one k-pair) of k-pair 2j+half of a block: w = the chunk's 32
+// nibble bytes as words, h = its top-two-bits nibbles as words (Q6_K; ignored otherwise).
+template <int FMT>
+inline __m512i decode_pair(__m512i w, __m512i h, int half, __m512i table, __m512i t6lo, __m512i t6hi) {
+  if constexpr (fmt_hi2(FMT)) {
+    // index bits 0..3: the nibble; bits 4..5: the top bits (vpermt2w ignores bits 6 and up)
+    const __m512i lo = half ? _mm512_srli_epi16(w, 4) : w;
+    const __m512i hi = half ? _mm512_slli_epi16(h, 2) : _mm512_slli_epi16(h, 4);
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x0F), lo, hi, 0xCA);  // a ? b : c
+    return _mm512_permutex2var_epi16(t6lo, idx, t6hi);
+  } else {
+    return _mm512_permutexvar_epi16(half ? _mm512_srli_epi16(w, 4) : w, table);
+  }
+}
+
+// Top-two-bits plane of chunk j of block b as words (its nibble in bits 0..3).
+inline __m512i load_hi2(const uint8_t* gq, int64_t b, int j) {
+  const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq + b * 384 + 256 + (j / 2) * 32)));
+  return (j & 1) ? _mm512_srli_epi16(h, 4) : h;
+}
+
+// R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
 template <int R, int C, int FMT>
 void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
-           const uint8_t* const* gq, const uint16_t* const* gs, uint16_t* __restrict out, int64_t ldo,
+           const uint8_t* const* gq, const uint8_t* const* gs, uint16_t* __restrict out, int64_t ldo,
            int64_t ncols, const float* __restrict bias, __m512i table) {
+  constexpr int64_t qb = FMT == 0 ? 512 : FMT == 3 ? 384 : 256;
+  __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
+  if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
   __m512 acc[R][C];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -167,19 +271,20 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
-    if constexpr (FMT == 1) {
+    if constexpr (fmt_nib(FMT)) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        __m512i w[C];
+        __m512i w[C], h[C];
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c)
-          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * 256 + j * 32)));
+        for (int c = 0; c < C; ++c) {
+          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * qb + j * 32)));
+          h[c] = fmt_hi2(FMT) ? load_hi2(gq[c], b, j) : w[c];
+        }
 #pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m512i bv[C];
 #pragma GCC unroll 4
-          for (int c = 0; c < C; ++c)
-            bv[c] = _mm512_permutexvar_epi16(half ? _mm512_srli_epi16(w[c], 4) : w[c], table);
+          for (int c = 0; c < C; ++c) bv[c] = decode_pair<FMT>(w[c], h[c], half, table, t6lo, t6hi);
           const int64_t k = b * 32 + 4 * j + 2 * half;
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
@@ -188,6 +293,19 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
             const __m512i xv = _mm512_set1_epi32(pair);
 #pragma GCC unroll 4
             for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
+          }
+          if constexpr (fmt_halves(FMT)) {
+            if (half == 1 && j % 4 == 3) {  // Q6_K: k-pair 2j+1 = 7 or 15 ends a 16-weight sub-block
+#pragma GCC unroll 4
+              for (int c = 0; c < C; ++c) {
+                const __m512 dv = load_scales<FMT>(gs[c], b, j / 4);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; ++r) {
+                  acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+                  p[r][c] = _mm512_setzero_ps();
+                }
+              }
+            }
           }
         }
       }
@@ -213,17 +331,18 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
         }
       }
     }
-    // Fold the block: acc = fma(p, d, acc) (Q4: then acc = fma(sum(x)_b, m, acc)).
+    if constexpr (!fmt_halves(FMT)) {
+      // Fold the block: acc = fma(p, d, acc) (Q4, Q4_K: then acc = fma(sum(x)_b, m, acc)).
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const uint16_t* bs = gs[c] + b * (FMT == 1 ? 32 : 16);
-      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs)));
-      __m512 mv = _mm512_setzero_ps();
-      if constexpr (FMT == 1) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bs + 16)));
+      for (int c = 0; c < C; ++c) {
+        const __m512 dv = load_scales<FMT>(gs[c], b, 0);
+        __m512 mv = _mm512_setzero_ps();
+        if constexpr (fmt_min(FMT)) mv = load_scales<FMT>(gs[c], b, 1);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-        if constexpr (FMT == 1) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv, acc[r][c]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+          if constexpr (fmt_min(FMT)) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv, acc[r][c]);
+        }
       }
     }
   }
@@ -242,13 +361,22 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
 }
 
 using QTileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t* const*,
-                         const uint16_t* const*, uint16_t*, int64_t, int64_t, const float*, __m512i);
+                         const uint8_t* const*, uint16_t*, int64_t, int64_t, const float*, __m512i);
 
 template <int FMT>
 QTileFn pick(int r, int c) {  // r <= 2 rows, c <= 4 groups (accumulators + block partials: <= 16 zmm)
   static const QTileFn fns[2][4] = {{&qtile<1, 1, FMT>, &qtile<1, 2, FMT>, &qtile<1, 3, FMT>, &qtile<1, 4, FMT>},
                                     {&qtile<2, 1, FMT>, &qtile<2, 2, FMT>, &qtile<2, 3, FMT>, &qtile<2, 4, FMT>}};
   return fns[r - 1][c - 1];
+}
+
+QTileFn pick_fmt(int fmt, int r, int c) {
+  switch (fmt) {
+    case 0: return pick<0>(r, c);
+    case 1: return pick<1>(r, c);
+    case 2: return pick<2>(r, c);
+    default: return pick<3>(r, c);
+  }
 }
 
 // Larger M: the panel's integers are converted to bf16 words once per (M block, panel) into a
@@ -288,15 +416,30 @@ void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __res
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
       }
+      if constexpr (fmt_halves(FMT)) {
+        if (kp % 8 == 7) {
+#pragma GCC unroll 4
+          for (int c = 0; c < C; ++c) {
+            const __m512 dv = _mm512_load_ps(sf + (b * C + c) * 32 + 16 * (kp / 8));
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+              acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+              p[r][c] = _mm512_setzero_ps();
+            }
+          }
+        }
+      }
     }
+    if constexpr (!fmt_halves(FMT)) {
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const float* bs = sf + (b * C + c) * 32;
-      const __m512 dv = _mm512_load_ps(bs);
+      for (int c = 0; c < C; ++c) {
+        const float* bs = sf + (b * C + c) * 32;
+        const __m512 dv = _mm512_load_ps(bs);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-        if constexpr (FMT == 1) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), _mm512_load_ps(bs + 16), acc[r][c]);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
+          if constexpr (fmt_min(FMT)) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), _mm512_load_ps(bs + 16), acc[r][c]);
+        }
       }
     }
   }
@@ -316,7 +459,7 @@ void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __res
 
 // Convert groups gq[0..c-1] (all nb blocks) into the scratch layout of qtile_scratch (C slots).
 template <int FMT>
-void convert_panel(const uint8_t* const* gq, const uint16_t* const* gs, int c, int C, int64_t nb,
+void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, int C, int64_t nb,
                    uint16_t* sw, float* sf, __m512i table) {
   for (int64_t b = 0; b < nb; ++b) {
     uint16_t* wb = sw + b * 16 * C * 32;
@@ -328,16 +471,17 @@ void convert_panel(const uint8_t* const* gq, const uint16_t* const* gs, int c, i
         _mm512_store_ps(bs + 16, _mm512_setzero_ps());
         continue;
       }
-      const uint16_t* s16 = gs[i] + b * (FMT == 1 ? 32 : 16);
-      _mm512_store_ps(bs, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16))));
-      _mm512_store_ps(bs + 16, FMT == 1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16 + 16)))
-                                        : _mm512_setzero_ps());
-      if constexpr (FMT == 1) {
+      _mm512_store_ps(bs, load_scales<FMT>(gs[i], b, 0));
+      _mm512_store_ps(bs + 16, FMT == 0 ? _mm512_setzero_ps() : load_scales<FMT>(gs[i], b, 1));
+      if constexpr (fmt_nib(FMT)) {
+        constexpr int64_t qb = FMT == 3 ? 384 : 256;
+        __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
+        if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
         for (int j = 0; j < 8; ++j) {
-          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * 256 + j * 32)));
-          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), _mm512_permutexvar_epi16(w, table));
-          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32),
-                             _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * qb + j * 32)));
+          const __m512i h = fmt_hi2(FMT) ? load_hi2(gq[i], b, j) : w;
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), decode_pair<FMT>(w, h, 0, table, t6lo, t6hi));
+          _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32), decode_pair<FMT>(w, h, 1, table, t6lo, t6hi));
         }
       } else {
         for (int kp = 0; kp < 16; ++kp) {
@@ -364,16 +508,35 @@ QTileSFn pick_scratch(int r) {
   }
 }
 
+QTileSFn pick_scratch_fmt(int fmt, int r) {
+  switch (fmt) {
+    case 0: return pick_scratch<0>(r);
+    case 1: return pick_scratch<1>(r);
+    case 2: return pick_scratch<2>(r);
+    default: return pick_scratch<3>(r);
+  }
+}
+
+void convert_panel_fmt(int fmt, const uint8_t* const* gq, const uint8_t* const* gs, int c, int C, int64_t nb,
+                       uint16_t* sw, float* sf, __m512i table) {
+  switch (fmt) {
+    case 0: convert_panel<0>(gq, gs, c, C, nb, sw, sf, table); break;
+    case 1: convert_panel<1>(gq, gs, c, C, nb, sw, sf, table); break;
+    case 2: convert_panel<2>(gq, gs, c, C, nb, sw, sf, table); break;
+    default: convert_panel<3>(gq, gs, c, C, nb, sw, sf, table); break;
+  }
+}
+
 constexpr int64_t kSmallM = 2;        // up to this M: in-register tiles of all M rows x 4 groups
 constexpr int64_t kRows = 4;          // larger M: scratch tiles of <= 4 rows x 3 groups
 constexpr int kScratchC = 3;
 constexpr int64_t kMBlockRows = 256;  // larger M: M blocks (Goto "mc") swept over each converted panel
 
 void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs,
-                 const uint16_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+                 const uint8_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int64_t G = ceil_div(N, kGroup);
-  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_block_elems(fmt);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   const __m512i table = nibble_table();
   const bool tiny = M * N * K < (int64_t{1} << 18);
   if (M <= kSmallM) {
@@ -381,11 +544,10 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
       for (int64_t u = u0; u < u1;) {
         const int64_t c = std::min<int64_t>(4, u1 - u);
         const uint8_t* gq[4];
-        const uint16_t* gs[4];
+        const uint8_t* gs[4];
         for (int64_t i = 0; i < c; ++i) { gq[i] = qs + (u + i) * gq_stride; gs[i] = sc + (u + i) * gs_stride; }
         const int64_t n0 = u * kGroup;
-        QTileFn fn = fmt == 1 ? pick<1>(static_cast<int>(M), static_cast<int>(c))
-                              : pick<0>(static_cast<int>(M), static_cast<int>(c));
+        QTileFn fn = pick_fmt(fmt, static_cast<int>(M), static_cast<int>(c));
         fn(x, ldx, xs, nb, gq, gs, out + n0, N, std::min<int64_t>(c * kGroup, N - n0), bias ? bias + n0 : nullptr, table);
         u += c;
       }
@@ -406,16 +568,15 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
       const int64_t g0 = pn * kScratchC;
       const int c = static_cast<int>(std::min<int64_t>(kScratchC, G - g0));
       const uint8_t* gq[kScratchC];
-      const uint16_t* gs[kScratchC];
+      const uint8_t* gs[kScratchC];
       for (int j = 0; j < c; ++j) { gq[j] = qs + (g0 + j) * gq_stride; gs[j] = sc + (g0 + j) * gs_stride; }
-      if (fmt == 1) convert_panel<1>(gq, gs, c, kScratchC, nb, sw, sf, table);
-      else convert_panel<0>(gq, gs, c, kScratchC, nb, sw, sf, table);
+      convert_panel_fmt(fmt, gq, gs, c, kScratchC, nb, sw, sf, table);
       const int64_t n0 = g0 * kGroup, ncols = std::min<int64_t>(c * kGroup, N - n0);
       const int64_t mlo = mb * kMBlockRows, mhi = std::min<int64_t>(M, mlo + kMBlockRows);
       const int64_t mtiles = ceil_div(mhi - mlo, kRows);
       for (int64_t t = 0; t < mtiles; ++t) {  // near-equal tiles (e.g. 5 rows -> 3 + 2)
         const int64_t a = mlo + t * (mhi - mlo) / mtiles, e = mlo + (t + 1) * (mhi - mlo) / mtiles;
-        QTileSFn fn = fmt == 1 ? pick_scratch<1>(static_cast<int>(e - a)) : pick_scratch<0>(static_cast<int>(e - a));
+        QTileSFn fn = pick_scratch_fmt(fmt, static_cast<int>(e - a));
         fn(x + a * ldx, ldx, xs ? xs + a * nb : nullptr, nb, sw, sf, out + a * N + n0, N, ncols,
            bias ? bias + n0 : nullptr);
       }
@@ -436,14 +597,17 @@ struct Prepared {
 
 Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& scales, int64_t fmt, int64_t N,
                  int64_t K, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(fmt == 0 || fmt == 1, "gemm_gguf: fmt must be 0 (Q8_0) or 1 (Q4_0/Q4_1)");
+  TORCH_CHECK(fmt >= 0 && fmt <= 3, "gemm_gguf: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1), 2 (Q4_K) or 3 (Q6_K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "gemm_gguf: x must be a CPU bfloat16 tensor");
   TORCH_CHECK(K % kQBlock == 0 && x.dim() >= 1 && x.size(-1) == K, "gemm_gguf: x must be [..., K], K % 32 == 0");
   const int64_t G = ceil_div(N, kGroup), nb = K / kQBlock;
   TORCH_CHECK(qs.is_contiguous() && qs.numel() * qs.element_size() == G * nb * qs_block_bytes(fmt),
               "gemm_gguf: qs size does not match (N, K, fmt)");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
-              scales.numel() == G * nb * sc_block_elems(fmt), "gemm_gguf: scales must be float16 matching (N, K, fmt)");
+  const at::ScalarType sdt = fmt >= 2 ? at::kByte : at::kHalf;
+  TORCH_CHECK(fmt < 2 || nb % 8 == 0, "gemm_gguf: the K-quants need K % 256 == 0");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == sdt &&
+              scales.numel() * scales.element_size() == G * nb * sc_group_block_bytes(static_cast<int>(fmt)),
+              "gemm_gguf: scales must be float16 (fmt 0, 1) or uint8 (fmt 2, 3) matching (N, K, fmt)");
   Prepared p;
   p.out_shape.assign(x.sizes().begin(), x.sizes().end());
   p.out_shape.back() = N;
@@ -456,7 +620,7 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
     TORCH_CHECK(bias->numel() == N, "gemm_gguf: bias must have N elements");
     p.bias_f = bias->reshape({N}).to(at::kFloat).contiguous();
   }
-  if (fmt == 1 && p.M > 0) {
+  if (fmt_min(static_cast<int>(fmt)) && p.M > 0) {
     p.xs = torch::empty({p.M, nb}, x.options().dtype(at::kFloat));
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
     float* xsp = p.xs.data_ptr<float>();
@@ -480,7 +644,7 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
   const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
   const float* xsp = p.xs.defined() ? p.xs.data_ptr<float>() : nullptr;
   const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
 #if defined(TINYVLLM_QGEMM_AVX512)
   gemm_avx512(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
 #else
@@ -494,7 +658,7 @@ torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
   Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
   gemm_ref(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()), p.ldx, p.M,
-           static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+           static_cast<const uint8_t*>(qs.data_ptr()), static_cast<const uint8_t*>(scales.data_ptr()),
            static_cast<int>(fmt), N, K, reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>()),
            p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
   return p.out.view(p.out_shape);
