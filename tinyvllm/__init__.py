@@ -4,13 +4,14 @@ import os as _os
 
 # How idle OpenMP threads wait, chosen before torch loads libgomp (i.e. before any torch import).
 # A decode step is ~200 short parallel regions. Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE)
-# pay a futex wake-up per region: 13.1 ms per batch-1 step. Threads that spin forever (ACTIVE)
-# collapse throughput ~10x when another process (the API server, a client) wants a core of a
-# 2-core machine. A bounded spin before sleeping gets both: 7.9 ms per batch-1 step, and over HTTP
-# TPOT 9.0 ms (vs 13.4) and 528 vs 418 output tok/s at concurrency 16 (docs/benchmarks.md).
+# pay a futex wake-up per region; threads that spin long collapse when another process wants a core:
+# a waiting thread burns the slice its partner needs. Batch-1 decode step with one `yes` busy loop on
+# the 2-core machine (docs/benchmarks.md, 2026-12-01): 266-331 ms at GOMP_SPINCOUNT=100000 (spin ~5 ms),
+# 104-132 ms at 10000, 65 ms at 3000, 47 ms at 1000; quiet, all of them 19-27 ms (noise). 1000 spins
+# (~50 us) cover the gap between two regions of a step and give the core back soon after.
 # Either variable set by the user wins.
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
-    _os.environ["GOMP_SPINCOUNT"] = "100000"
+    _os.environ["GOMP_SPINCOUNT"] = "1000"
 
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_ENGINE_START_TIMEOUT`` | ``600`` | seconds the API process waits for the engine core to load |
 | ``TINYVLLM_API_KEY`` | unset | (read by the server, see its ``--api-key``) |
 | ``TINYVLLM_GRAMMAR_COMPILE_NICE`` | ``19`` | nice value of the grammar-compile thread (Linux; ``0`` = the engine's own priority): a compile then runs in the engine's idle time instead of taking a core from its parallel regions |
-| ``TINYVLLM_GRAMMAR_COMPILE_SCHED`` | ``idle`` | scheduling class of the grammar-compile thread (Linux): ``idle`` (``SCHED_IDLE``: any engine thread that wakes takes its core back at once) or ``normal`` (the nice value alone) |
+| ``TINYVLLM_GRAMMAR_COMPILE_SCHED`` | ``normal`` | scheduling class of the grammar-compile thread (Linux): ``normal`` (the nice value alone) or ``idle`` (``SCHED_IDLE``: any engine thread that wakes takes its core back at once; measured no better than nice 19, docs/benchmarks.md) |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
@@ -36,7 +36,7 @@ _VARS: dict[str, Callable[[], Any]] = {
     "TINYVLLM_ENGINE_START_TIMEOUT": lambda: float(os.environ.get("TINYVLLM_ENGINE_START_TIMEOUT") or 600),
     "TINYVLLM_API_KEY": lambda: os.environ.get("TINYVLLM_API_KEY") or None,
     "TINYVLLM_GRAMMAR_COMPILE_NICE": lambda: int(os.environ.get("TINYVLLM_GRAMMAR_COMPILE_NICE") or 19),
-    "TINYVLLM_GRAMMAR_COMPILE_SCHED": lambda: (os.environ.get("TINYVLLM_GRAMMAR_COMPILE_SCHED") or "idle").lower(),
+    "TINYVLLM_GRAMMAR_COMPILE_SCHED": lambda: (os.environ.get("TINYVLLM_GRAMMAR_COMPILE_SCHED") or "normal").lower(),
     "TINYVLLM_MAX_N_SEQUENCES": lambda: int(os.environ.get("TINYVLLM_MAX_N_SEQUENCES") or 128),
 }
 

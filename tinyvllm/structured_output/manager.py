@@ -147,7 +147,7 @@ class StructuredOutputManager:
         compile_nice: added to the compile thread's nice value (``TINYVLLM_GRAMMAR_COMPILE_NICE``,
             19 by default; 0 keeps the engine's priority). See :func:`lower_thread_priority`.
         compile_sched_idle: also put the compile thread in ``SCHED_IDLE``
-            (``TINYVLLM_GRAMMAR_COMPILE_SCHED``: ``idle``, the default, or ``normal``). See
+            (``TINYVLLM_GRAMMAR_COMPILE_SCHED``: ``normal``, the default, or ``idle``). See
             :func:`use_idle_scheduling`.
     """
 
