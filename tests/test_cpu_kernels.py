@@ -49,8 +49,10 @@ def tolerance(path, dtype, value_cache) -> dict:
     return dict(rtol=2e-5, atol=2e-5)
 
 
-def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0):
-    """seqs: list of (context_before, new_tokens). Returns kernel inputs and a float64 reference."""
+def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0, k_scale=None):
+    """seqs: list of (context_before, new_tokens). k_scale: None, or a function of the context length L
+    giving [L] factors for the keys (how fast the scores grow or fall along the context). Returns
+    kernel inputs and a float64 reference."""
     g = torch.Generator().manual_seed(seed)
     total_blocks = sum((c + n + block_size - 1) // block_size for c, n in seqs) + 3
     perm = torch.randperm(total_blocks, generator=g).tolist()
@@ -62,7 +64,8 @@ def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0):
         nb = (L + block_size - 1) // block_size
         blocks = [perm.pop() for _ in range(nb)]
         tables.append(blocks)
-        k = torch.randn(L, hk, d, generator=g).to(dtype)
+        k = torch.randn(L, hk, d, generator=g)
+        k = (k if k_scale is None else k * k_scale(L)[:, None, None]).to(dtype)
         v = torch.randn(L, hk, d, generator=g).to(dtype)
         for j in range(L):
             kc[blocks[j // block_size], j % block_size] = k[j]
@@ -145,6 +148,48 @@ def test_long_context_rows_are_invariant_and_match_reference(path, hq, hk, d):
             assert torch.equal(alone(rows[a:b], s), full[rows[a:b]]), f"sequence {s} rows {a}:{b} differ"
         for t in rows[::9].tolist() + [rows[-1].item()]:
             assert torch.equal(alone(torch.tensor([t]), s)[0], full[t]), f"row {t} as a decode row differs"
+
+
+# Scores that climb along the context by far more than the tiled kernel's rescale slack (2^8 in the
+# probabilities) between KV tiles, and scores that fall: the softmax reference m moves, and the output
+# is rescaled, several times per row in the first case and never after the first tile in the second.
+@pytest.mark.parametrize("k_scale", [lambda L: 1 + torch.arange(L) / 12.0, lambda L: 30.0 / (1 + torch.arange(L) / 8.0)],
+                         ids=["rising", "falling"])
+def test_scores_rising_and_falling_along_the_context_match_reference(path, k_scale):
+    hq, hk, d = 9, 3, 64
+    seqs = [(400, 1), (250, 90), (0, 130)]
+    (q, kc, vc, bt, seq, pos), ref = make_batch(seqs, hq, hk, d, 16, torch.bfloat16, seed=3, k_scale=k_scale)
+    full = KERN.paged_attention(q, kc, vc, bt, seq, pos, d ** -0.5)
+    assert torch.isfinite(full).all()
+    torch.testing.assert_close(full.double(), ref, **tolerance(path, torch.bfloat16, vc))
+    for s in range(len(seqs)):  # and each sequence's rows alone give the same bits
+        rows = (seq == s).nonzero().flatten()
+        alone = KERN.paged_attention(q[rows], kc, vc, bt[s:s + 1], torch.zeros(len(rows), dtype=torch.int64),
+                                     pos[rows], d ** -0.5)
+        assert torch.equal(alone, full[rows]), f"sequence {s} alone differs"
+
+
+def test_tiled_attention_bits_do_not_depend_on_the_row_block():
+    """The work item's row count (set_attention_row_block) changes how often a KV tile is packed, never a
+    row's arithmetic: the whole ragged batch gives the same bits for every row block, on each tiled path."""
+    if not KERN.has_tiled_attention():
+        pytest.skip("the tiled kernel is not built here (no AVX512_BF16): there is no row block to vary")
+    (q, kc, vc, bt, seq, pos), _ = make_batch(LONG, 9, 3, 64, 16, torch.bfloat16, seed=4)
+    default = KERN.attention_row_block()
+    try:
+        for amx in ([True, False] if KERN.has_amx_attention() else [False]):
+            KERN.set_amx_attention(amx)
+            outs = {}
+            for rb in (1, 7, 32, 64, 256):
+                KERN.set_attention_row_block(rb)
+                outs[rb] = KERN.paged_attention(q, kc, vc, bt, seq, pos, 64 ** -0.5)
+            for rb, out in outs.items():
+                assert torch.equal(out, outs[1]), f"row block {rb} differs from row block 1 (amx={amx})"
+        with pytest.raises(RuntimeError, match="row block"):
+            KERN.set_attention_row_block(0)
+    finally:
+        KERN.set_attention_row_block(default)
+        KERN.set_amx_attention(True)
 
 
 def test_row_kernel_path_without_bf16_dot_products_is_invariant_too():

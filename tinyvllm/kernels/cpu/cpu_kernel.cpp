@@ -40,6 +40,13 @@ constexpr int kLanes = 16;
 // Whether the AVX-512 kernels may run (tests switch them off to check the portable path).
 bool g_vector_kernels = true;
 bool g_prefetch = true;
+// attention_tiled's query rows per work item: at most kMaxRowBlock, g_row_block by default
+// (set_attention_row_block, for A/B). A KV tile is packed once per item, so longer items pack less
+// per row; the per-row arithmetic does not depend on it. 64 rather than 32: 1.1-1.3x faster
+// attention on a 512-token chunk over 5,000 cached tokens (docs/benchmarks.md), and still 24 items
+// per layer for 2-8 threads to share on such a chunk (SmolLM2: 3 KV heads).
+constexpr int kMaxRowBlock = 256;
+int g_row_block = 64;
 bool g_tiled_attention = true;  // bf16 cache + AVX512_BF16: attention_tiled (off: the row kernel, for A/B)
 
 template <typename T>
@@ -438,7 +445,7 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 // ---------------------------------------------------------------------------------------------
 // Tiled attention over a bf16 paged cache (FlashAttention, Dao et al. 2022, on the paged layout):
 // every query row, whether it is one of a long prefill chunk or a lone decode token, goes through
-// this kernel. A work item is (run of up to kRowBlock consecutive query rows of one sequence, KV
+// this kernel. A work item is (run of up to g_row_block consecutive query rows of one sequence, KV
 // head): its "pairs" are (row, query head of the GQA group). The context is cut into KV tiles of
 // kKvTile positions at fixed absolute positions [c * kKvTile, (c + 1) * kKvTile) from position 0,
 // and each tile is packed once per item for bf16 dot products (vdpbf16ps, 2 multiply-adds per lane):
@@ -447,7 +454,8 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 //  * V as [kKvTile/2][D] pairs (positions 2i, 2i+1 of one dim per lane), so P V is 16 dims per
 //    instruction with the row's probability pair broadcast.
 // Per pair and tile: s = q . k, masked past the row's position (causal), online softmax in base 2
-// (running max m of s * scale * log2 e, lane-wise running sum l, o *= 2^(m_old - m_new)), P rounded
+// (a reference m of s * scale * log2 e, moved to the running max only when a score exceeds it by
+// kSoftmaxSlack, lane-wise running sum l, o *= 2^(m_old - m_new) when m moves), P rounded
 // to bf16, o += P V in float32. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
 // grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
 // at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
@@ -455,7 +463,6 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 // positions past a row's own position are masked to probability 0 (exactly 0 * V).
 
 constexpr int kKvTile = 64;    // cached positions per KV tile
-constexpr int kRowBlock = 32;  // query rows per work item
 
 // In-register transpose of a 16 x 16 matrix of 32-bit elements: r[i][j] -> r[j][i].
 inline void transpose16x16(__m512i r[16]) {
@@ -522,29 +529,37 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
-// 2^x lane-wise for x <= 0 (clamped at -127): x = n + f with f in [-0.5, 0.5], 2^f by the degree-5
-// Taylor polynomial of e^(f ln 2) (relative error < 4e-6, far below the bf16 rounding of P), times
-// 2^n by vscalefps.
-inline __m512 exp2_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 y = _mm512_set1_ps(1.3333558146428443e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
+// 2^x lane-wise for finite x (denormal or 0 below -126; is at most 2^kSoftmaxSlack
+// where the softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
+// 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
+// rounding of P, 2^-9), times 2^n by VSCALEFPS (which takes floor(x) itself). Seven instructions
+// with the caller's fmsub (Cephes-style range reduction, as in exp16, without its clamp and round).
+inline __m512 exp2_fast16(__m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, 0x09);  // imm: 0 fraction bits kept, round down, no exceptions
+  __m512 y = _mm512_set1_ps(1.3534121215343475e-2f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.2011482417583466e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4144279956817627e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9300383329391479e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0000026226043701f));
+  return _mm512_scalef_ps(y, x);
 }
 
-// Online softmax of one pair over one tile, in base 2: s = the tile's raw q . k (kKvTile / 16
-// vectors), vlog2 = scale * log2(e), masked past the row's position. Updates the pair's running max
-// m (of s * vlog2) and lane-wise sum l, writes the tile's probabilities 2^(s * vlog2 - m) as bf16
-// pairs to pb (kKvTile / 2 words). Returns whether m changed; then alpha = 2^(m_old - m_new), the
-// factor the pair's output must be scaled by before this tile's P V is added (when m did not
-// change the factor is exactly 1 and the scaling is skipped: same bits). Which branches run depends
-// only on the pair's own position, scores and the tile, never on the other rows.
+// How far (in log2 units) a tile's scores may rise above the pair's reference m before m is moved:
+// the probabilities 2^(s * scale * log2 e - m) stay <= 2^8 (exact in bf16's and fp32's range),
+// and the max reduction and the rescale of o run only when a score first exceeds m + 8 (the lazy
+// rescaling of FlashAttention-4 / "online softmax with a threshold"), not at every new maximum.
+constexpr float kSoftmaxSlack = 8.0f;
+
+// Online softmax of one pair over one tile, in base 2 (Milakov & Gimelshein 2018; FlashAttention,
+// Dao et al. 2022, Alg. 1 lines 9-11): s = the tile's raw q . k (kKvTile / 16 vectors), vlog2 =
+// scale * log2(e), masked past the row's position. ps.m is a reference, not always the running max:
+// it moves to the true max (of s * vlog2) only when a score exceeds it by more than kSoftmaxSlack,
+// so every probability 2^(s * vlog2 - m) is at most 2^kSoftmaxSlack. Updates m and the lane-wise
+// sum l, writes the tile's probabilities as bf16 pairs to pb (kKvTile / 2 words). Returns whether
+// the pair's output must be scaled by alpha = 2^(m_old - m_new) before this tile's P V is added (not
+// on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no scaling).
+// Which branches run depends only on the pair's own position, scores and the tile, never on the
+// other rows.
 template <int ND>
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
                            __m512& alpha) {
@@ -553,8 +568,7 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
   __mmask16 mk[NC];
   __m512 mx;
   if (full) {
-    mx = s[0];
-    for (int c = 1; c < NC; ++c) mx = _mm512_max_ps(mx, s[c]);
+    mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   } else {
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
@@ -564,20 +578,28 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
       mx = _mm512_mask_max_ps(mx, mk[c], mx, s[c]);
     }
   }
+  static_assert(NC == 4, "the max above takes four score vectors");
   // vlog2 > 0, so max(s) * vlog2 = max(s * vlog2) exactly (rounding is monotonic).
-  const float m_new = std::max(ps.m, _mm512_reduce_max_ps(mx) * _mm512_cvtss_f32(vlog2));
-  const bool changed = m_new != ps.m;
-  alpha = changed ? exp2_nonpos16(_mm512_set1_ps(ps.m - m_new)) : _mm512_set1_ps(1.0f);
-  ps.m = m_new;
-  const __m512 mv = _mm512_set1_ps(m_new);
+  mx = _mm512_mul_ps(mx, vlog2);
+  bool changed = false;
+  alpha = _mm512_set1_ps(1.0f);
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(ps.m + kSoftmaxSlack), _CMP_GT_OQ)) {
+    const float m_new = _mm512_reduce_max_ps(mx);
+    if (ps.m != -std::numeric_limits<float>::infinity()) {  // the first tile: o = l = 0, nothing to scale
+      changed = true;
+      alpha = exp2_fast16(_mm512_set1_ps(ps.m - m_new));
+    }
+    ps.m = m_new;
+  }
+  const __m512 mv = _mm512_set1_ps(ps.m);
   __m512 p[NC];
   for (int c = 0; c < NC; ++c) {
-    p[c] = exp2_nonpos16(_mm512_fmsub_ps(s[c], vlog2, mv));
+    p[c] = exp2_fast16(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
-  __m512 sum = _mm512_add_ps(p[0], p[1]);
-  for (int c = 2; c < NC; c += 2) sum = _mm512_add_ps(sum, _mm512_add_ps(p[c], p[c + 1]));
-  _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+  _mm512_store_ps(ps.l, changed ? _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum)
+                                : _mm512_add_ps(_mm512_load_ps(ps.l), sum));
   for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
   return changed;
 }
@@ -730,13 +752,13 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale * 1.4426950408889634));  // base-2 softmax
   alignas(64) static const C zero_row[D] = {};
 
-  // Work items: (run of up to kRowBlock tokens of one sequence at consecutive positions, KV head),
+  // Work items: (run of up to g_row_block tokens of one sequence at consecutive positions, KV head),
   // handed out longest first from a shared counter (a descheduled thread delays only its own item).
   struct Item { int64_t t0, rows, hk, cost; };
   std::vector<Item> items;
   for (int64_t t = 0; t < num_tokens;) {
     int64_t e = t + 1;
-    while (e < num_tokens && e - t < kRowBlock && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    while (e < num_tokens && e - t < g_row_block && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
     for (int64_t hk = 0; hk < Hk; ++hk) items.push_back({t, e - t, hk, (e - t) * (posp[e - 1] + 1)});
     t = e;
   }
@@ -748,7 +770,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 #endif
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<PairState<ND>> st(kRowBlock * G + 16);  // + AMX's padding rows past the last pair
+    std::vector<PairState<ND>> st(g_row_block * G + 16);  // + AMX's padding rows past the last pair
     auto tile = std::make_unique<PackedTile<ND>>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (use_amx) amx_configure();
@@ -1174,6 +1196,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
   m.def("set_vector_kernels", [](bool on) { g_vector_kernels = on; },
         "use the AVX-512 kernels where built (default) or the portable scalar loops (tests)");
+  m.def("set_attention_row_block", [](int64_t n) {
+    TORCH_CHECK(n >= 1 && n <= kMaxRowBlock, "attention row block must be in [1, ", kMaxRowBlock, "], got ", n);
+    g_row_block = static_cast<int>(n);
+  }, "query rows per work item of the tiled attention (A/B only: outputs do not depend on it)");
+  m.def("attention_row_block", []() { return g_row_block; }, "query rows per work item of the tiled attention");
   m.def("set_tiled_attention", [](bool on) { g_tiled_attention = on; },
         "bf16 cache: the tiled kernel (default) or the row kernel (tests of the AVX-512 path without AVX512_BF16)");
   m.def("has_tiled_attention", []() {
