@@ -529,8 +529,8 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
-// 2^x lane-wise for finite x (denormal or 0 below -126; is at most 2^kSoftmaxSlack
-// where the softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
+// 2^x lane-wise for finite x (denormal or 0 below -126; at most 2^kSoftmaxSlack where the
+// softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
 // 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
 // rounding of P, 2^-9), times 2^n by VSCALEFPS (which takes floor(x) itself). Seven instructions
 // with the caller's fmsub (Cephes-style range reduction, as in exp16, without its clamp and round).
@@ -567,6 +567,7 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
   const bool full = ps.pos - j0 >= kKvTile - 1;  // no position of the tile is after the row
   __mmask16 mk[NC];
   __m512 mx;
+  static_assert(NC == 4, "the max and the sum below take four score vectors");
   if (full) {
     mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   } else {
@@ -578,7 +579,6 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
       mx = _mm512_mask_max_ps(mx, mk[c], mx, s[c]);
     }
   }
-  static_assert(NC == 4, "the max above takes four score vectors");
   // vlog2 > 0, so max(s) * vlog2 = max(s * vlog2) exactly (rounding is monotonic).
   mx = _mm512_mul_ps(mx, vlog2);
   bool changed = false;
@@ -598,8 +598,7 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
   const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
-  _mm512_store_ps(ps.l, changed ? _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum)
-                                : _mm512_add_ps(_mm512_load_ps(ps.l), sum));
+  _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));  // alpha = 1: exactly l + sum
   for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
   return changed;
 }
@@ -755,10 +754,11 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   // Work items: (run of up to g_row_block tokens of one sequence at consecutive positions, KV head),
   // handed out longest first from a shared counter (a descheduled thread delays only its own item).
   struct Item { int64_t t0, rows, hk, cost; };
+  const int64_t row_block = g_row_block;  // read once: the items and the per-thread pair states agree
   std::vector<Item> items;
   for (int64_t t = 0; t < num_tokens;) {
     int64_t e = t + 1;
-    while (e < num_tokens && e - t < g_row_block && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    while (e < num_tokens && e - t < row_block && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
     for (int64_t hk = 0; hk < Hk; ++hk) items.push_back({t, e - t, hk, (e - t) * (posp[e - 1] + 1)});
     t = e;
   }
@@ -770,7 +770,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 #endif
 
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<PairState<ND>> st(g_row_block * G + 16);  // + AMX's padding rows past the last pair
+    std::vector<PairState<ND>> st(row_block * G + 16);  // + AMX's padding rows past the last pair
     auto tile = std::make_unique<PackedTile<ND>>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (use_amx) amx_configure();
