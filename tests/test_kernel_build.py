@@ -32,3 +32,47 @@ def test_cpu_kernels_build_where_they_can():
     flags = _cpu_flags()
     assert kern.has_avx512() == ("avx512f" in flags)
     assert kern.gemm_has_bf16_kernel() == ("avx512_bf16" in flags)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    """torch's ``cpp_extension.load`` guards a build with a plain file (``lock``) that a killed build
+    leaves behind; every later ``load`` then waits on it forever (seen: a test run hung at its first
+    kernel use after an interrupted run). ``_build_locked`` removes it while holding its own flock."""
+    from tinyvllm.kernels.cpu import _BUILT_MARKER, _build_locked
+
+    (tmp_path / "lock").write_text("")  # what a killed build leaves
+    seen = []
+
+    def build_it():
+        seen.append((tmp_path / "lock").exists())
+        return "module"
+
+    assert _build_locked(tmp_path, "tinyvllm_cpu_kernels_x", build_it) == "module"
+    assert seen == [False]
+    assert (tmp_path / _BUILT_MARKER).read_text() == "tinyvllm_cpu_kernels_x"
+
+
+def test_builds_that_start_together_do_not_overlap(tmp_path):
+    """Two builders of one directory (two engine processes starting at once) run one after the other:
+    the second must not see the first's lock as stale while the first is still building."""
+    import threading
+    import time
+
+    from tinyvllm.kernels.cpu import _build_locked
+
+    spans = []
+
+    def build_it():
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans.append((t0, time.monotonic()))
+        return "module"
+
+    threads = [threading.Thread(target=_build_locked, args=(tmp_path, "m", build_it)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(spans) == 2
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert b0 >= a1, f"the builds overlapped: {spans}"

@@ -47,6 +47,39 @@ def _load_built(build: Path, name: str):
         return None
 
 
+_FLOCK = "tinyvllm_build.flock"
+_TORCH_BATON = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+
+
+def _build_locked(build: Path, name: str, build_it):
+    """Run ``build_it()`` (the ``cpp_extension.load`` call) under an exclusive ``fcntl.flock`` on
+    ``build/tinyvllm_build.flock``, write the built marker and return the module.
+
+    torch's own guard is a *file* baton (``build/lock``) with no owner: a build killed part way (Ctrl-C,
+    OOM, a CI timeout) leaves it behind, and every later ``load`` then waits on it forever, so the
+    engine hangs at start with no message. The flock is released by the kernel when its holder dies,
+    so a baton found while holding it belongs to a dead build and is removed. Processes that start
+    together serialize on the flock; the ones that waited find the finished build and import it.
+    """
+    import fcntl
+
+    with open(build / _FLOCK, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            module = _load_built(build, name)  # built by the process we waited for
+            if module is not None:
+                return module
+            baton = build / _TORCH_BATON
+            if baton.exists():
+                logger.warning("removing a stale kernel build lock left by a killed build: %s", baton)
+                baton.unlink(missing_ok=True)
+            module = build_it()
+            (build / _BUILT_MARKER).write_text(name)
+            return module
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def cpu_kernels():
     """The compiled C++ kernels module, or None if it cannot be built (no compiler, no ninja...).
 
@@ -75,11 +108,13 @@ def cpu_kernels():
         name = f"tinyvllm_cpu_kernels_{tag}"
         _KERNEL = _load_built(build, name)
         if _KERNEL is None:
-            from torch.utils.cpp_extension import load  # imports setuptools: only to build
+            def build_it():
+                from torch.utils.cpp_extension import load  # imports setuptools: only to build
 
-            _KERNEL = load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
-                           extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-            (build / _BUILT_MARKER).write_text(name)
+                return load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
+                            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+
+            _KERNEL = _build_locked(build, name, build_it)
     except Exception as e:  # no compiler, no ninja...
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch float64 reference backend", e)
         _KERNEL = None
