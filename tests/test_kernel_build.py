@@ -32,6 +32,10 @@ def test_cpu_kernels_build_where_they_can():
     flags = _cpu_flags()
     assert kern.has_avx512() == ("avx512f" in flags)
     assert kern.gemm_has_bf16_kernel() == ("avx512_bf16" in flags)
+    # the GGUF linear's vector kernel: AVX512-BF16, else AVX2 + FMA + F16C (AMD Zen 1-3, older Intel)
+    want = ("avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512vl", "f16c"} <= flags
+            else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar")
+    assert kern.gemm_gguf_isa() == want
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):

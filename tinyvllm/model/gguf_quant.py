@@ -472,8 +472,9 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
     """The GGUF file to run natively, or None for the dequantized path.
 
     ``auto``: native when ``model_dir`` was converted from a GGUF whose linears are quantized, the dtype
-    is bfloat16, the device is the CPU and the C++ kernels are built with AVX512-BF16. ``gguf``: the
-    same conditions are required (the kernels' portable scalar loop is used without AVX512-BF16).
+    is bfloat16, the device is the CPU and the C++ kernels have a vector ``gemm_gguf`` (AVX512-BF16 or
+    AVX2 + FMA). ``gguf``: the same conditions are required (the kernels' portable scalar loop is used
+    where neither is built).
     ``none``: None.
 
     Raises:
@@ -498,8 +499,8 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
         kern = cpu_kernels()
         if kern is None:
             why = "the C++ CPU kernels are not built"
-        elif not kern.gemm_gguf_has_avx512() and mode == "auto":
-            why = "no AVX512-BF16 (the portable loop is slow; --quantization gguf forces it)"
+        elif kern.gemm_gguf_isa() == "scalar" and mode == "auto":
+            why = "neither AVX512-BF16 nor AVX2 (the portable loop is slow; --quantization gguf forces it)"
     if why is None:
         return src
     if mode == "gguf":

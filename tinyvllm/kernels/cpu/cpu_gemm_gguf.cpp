@@ -10,7 +10,8 @@
 //   // one fp32 scale d_super*sc_j per 16). Returns [..., N] bf16, each element rounded
 //   // once (RNE) from the fp32 value defined under "Arithmetic".
 //   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
-//   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests, no AVX-512)
+//   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests)
+//   std::string gemm_gguf_isa()        // "avx512_bf16", "avx2" (AVX2 + FMA + F16C) or "scalar"
 //
 // Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per block b of
 // 32 k (nb = K/32; a K-quant super-block of 256 is 8 such blocks):
@@ -68,6 +69,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define TINYVLLM_QGEMM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TINYVLLM_QGEMM_AVX2 1
 #endif
 
 namespace {
@@ -589,6 +593,168 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
 
 #endif
 
+#if defined(TINYVLLM_QGEMM_AVX2)
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA (no AVX-512: AMD Zen 1-3, older Intel). The reference's per-element sequence exactly,
+// with the 8 fp32 lanes of a vector holding 8 output columns: per block, p = 0 then for each
+// k-pair p += x[odd] q[odd], p += x[even] q[even] (vfmadd: the products of a bf16 and an integer
+// |q| <= 128 are exact in fp32, so fma == the reference's mul + add), then acc = fma(p, d, acc)
+// and acc = fma(xs, m, acc). So gemm_gguf == gemm_gguf_ref bit for bit, and rows are batch
+// invariant as there. A work item is 32 columns (two groups: four independent p chains per row, as
+// the chain of 32 dependent fmas per block would otherwise bound M = 1); per block the item's
+// weights are decoded once into fp32 (qf[32 k][32 columns], 4 KB, L1) and swept by up to 4 rows at a
+// time (16 chains).
+
+constexpr int kAvx2Cols = 32;
+
+// qf[k * 32 + c] = q of column c0 + c (c < 16 * ng) at k of block b, as fp32.
+inline void avx2_decode_block(int fmt, const uint8_t* const* gq, int ng, int64_t b, float* qf) {
+  for (int h = 0; h < ng; ++h) {
+    float* qh = qf + 16 * h;
+    if (fmt == 1 || fmt == 2) {  // nibbles: chunk j's word c = q[c][4j] | q[c][4j+1] << 8 | q[c][4j+2] << 4 | q[c][4j+3] << 12
+      const uint8_t* blk = gq[h] + b * 256;
+      const __m256i mask = _mm256_set1_epi32(0xF);
+      for (int j = 0; j < 8; ++j) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(blk + j * 32);
+        const __m256i w[2] = {_mm256_cvtepu16_epi32(_mm_loadu_si128(src)), _mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1))};
+        for (int half = 0; half < 2; ++half) {
+          float* o = qh + 8 * half;
+          _mm256_storeu_ps(o + (4 * j) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(w[half], mask)));
+          _mm256_storeu_ps(o + (4 * j + 1) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 8), mask)));
+          _mm256_storeu_ps(o + (4 * j + 2) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 4), mask)));
+          _mm256_storeu_ps(o + (4 * j + 3) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 12), mask)));
+        }
+      }
+    } else if (fmt == 0) {  // int8: row kp's word c = q[c][2kp] | q[c][2kp+1] << 8
+      const uint8_t* blk = gq[h] + b * 512;
+      for (int kp = 0; kp < 16; ++kp) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(blk + kp * 32);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src + half));
+          float* o = qh + 8 * half;
+          _mm256_storeu_ps(o + (2 * kp) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24)));
+          _mm256_storeu_ps(o + (2 * kp + 1) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24)));
+        }
+      }
+    } else {  // Q6_K: the reference's decoder (its two bit planes), then the same fp32 sweep
+      for (int k = 0; k < 32; ++k)
+        for (int c = 0; c < 16; ++c) qh[k * kAvx2Cols + c] = static_cast<float>(q_at(fmt, gq[h], b, c, k));
+    }
+  }
+}
+
+// sc[which * 32 + c]: scale `which` (d, or m / Q6_K's second half) of column c0 + c at block b.
+inline void avx2_block_scales(int fmt, const uint8_t* const* gs, int ng, int64_t b, float* sc) {
+  const int nwhich = (fmt_min(fmt) || fmt_halves(fmt)) ? 2 : 1;
+  for (int h = 0; h < ng; ++h) {
+    for (int which = 0; which < nwhich; ++which) {
+      float* o = sc + which * kAvx2Cols + 16 * h;
+      if (fmt <= 1) {  // fp16 [nb, 1 or 2, 16]
+        const __m128i* src = reinterpret_cast<const __m128i*>(gs[h] + b * sc_group_block_bytes(fmt) + 32 * which);
+        _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm_loadu_si128(src)));
+        _mm256_storeu_ps(o + 8, _mm256_cvtph_ps(_mm_loadu_si128(src + 1)));
+      } else {
+        for (int c = 0; c < 16; ++c) o[c] = scale_at(fmt, gs[h], b, which, c);
+      }
+    }
+  }
+}
+
+// Rows r0..r0+R-1 of one block: acc[r][v] (v: 8-column vectors, NV = 2 * ng) updated in memory.
+template <int R, int NV>
+inline void avx2_rows(int fmt, const float* qf, const float* sc, const float* xf, int64_t K, int64_t b,
+                      const float* xs, int64_t nb, float* acc) {
+  __m256 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm256_loadu_ps(acc + r * kAvx2Cols + 8 * v);
+  const float* x0 = xf + b * 32;
+  const int halves = fmt_halves(fmt) ? 2 : 1;
+  const int kps = 16 / halves;
+  for (int h = 0; h < halves; ++h) {
+    __m256 p[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) p[r][v] = _mm256_setzero_ps();
+    for (int kp = h * kps; kp < (h + 1) * kps; ++kp) {
+      for (int e = 1; e >= 0; --e) {  // odd element first, then even (the reference's order)
+        const int k = 2 * kp + e;
+        __m256 q[NV];
+        for (int v = 0; v < NV; ++v) q[v] = _mm256_loadu_ps(qf + k * kAvx2Cols + 8 * v);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xv = _mm256_broadcast_ss(x0 + r * K + k);
+          for (int v = 0; v < NV; ++v) p[r][v] = _mm256_fmadd_ps(xv, q[v], p[r][v]);
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const __m256 d = _mm256_loadu_ps(sc + (fmt_halves(fmt) ? h : 0) * kAvx2Cols + 8 * v);
+      for (int r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(p[r][v], d, a[r][v]);
+    }
+  }
+  if (fmt_min(fmt)) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(sc + kAvx2Cols + 8 * v), a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + r * kAvx2Cols + 8 * v, a[r][v]);
+}
+
+template <int NV>
+inline void avx2_rows_any(int R, int fmt, const float* qf, const float* sc, const float* xf, int64_t K, int64_t b,
+                          const float* xs, int64_t nb, float* acc) {
+  switch (R) {
+    case 4: avx2_rows<4, NV>(fmt, qf, sc, xf, K, b, xs, nb, acc); break;
+    case 3: avx2_rows<3, NV>(fmt, qf, sc, xf, K, b, xs, nb, acc); break;
+    case 2: avx2_rows<2, NV>(fmt, qf, sc, xf, K, b, xs, nb, acc); break;
+    default: avx2_rows<1, NV>(fmt, qf, sc, xf, K, b, xs, nb, acc); break;
+  }
+}
+
+void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs, const uint8_t* sc,
+               int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock, G = ceil_div(N, kGroup), items = ceil_div(G, 2);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
+  // x as fp32 once per call (the inner loop broadcasts one value per fma group from memory).
+  std::vector<float> xf(static_cast<size_t>(M * K));
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_f(x[m * ldx + k]);
+  });
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    alignas(32) float qf[32 * kAvx2Cols];
+    alignas(32) float scv[2 * kAvx2Cols];
+    std::vector<float> acc(static_cast<size_t>(M * kAvx2Cols));
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g0 = 2 * it;
+      const int ng = g0 + 1 < G ? 2 : 1;
+      const uint8_t* gq[2] = {qs + g0 * gq_stride, qs + (g0 + ng - 1) * gq_stride};
+      const uint8_t* gs[2] = {sc + g0 * gs_stride, sc + (g0 + ng - 1) * gs_stride};
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < nb; ++b) {
+        avx2_decode_block(fmt, gq, ng, b, qf);
+        avx2_block_scales(fmt, gs, ng, b, scv);
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {
+          const int R = static_cast<int>(std::min<int64_t>(4, M - r0));
+          const float* xr = xf.data() + r0 * K;
+          const float* xsr = xs ? xs + r0 * nb : nullptr;
+          float* ar = acc.data() + r0 * kAvx2Cols;
+          if (ng == 2) avx2_rows_any<4>(R, fmt, qf, scv, xr, K, b, xsr, nb, ar);
+          else avx2_rows_any<2>(R, fmt, qf, scv, xr, K, b, xsr, nb, ar);
+        }
+      }
+      const int64_t c0 = g0 * kGroup, cols = std::min<int64_t>(16 * ng, N - c0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < cols; ++c) {
+          float v = acc[m * kAvx2Cols + c];
+          if (bias) v += bias[c0 + c];
+          out[m * N + c0 + c] = f_to_bf16(v);
+        }
+    }
+  });
+}
+#endif
+
 struct Prepared {
   torch::Tensor x2, out, xs, bias_f;
   int64_t M = 0, ldx = 0;
@@ -647,6 +813,8 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
 #if defined(TINYVLLM_QGEMM_AVX512)
   gemm_avx512(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
+#elif defined(TINYVLLM_QGEMM_AVX2)
+  gemm_avx2(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
 #else
   gemm_ref(xp, p.ldx, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
 #endif
@@ -669,5 +837,15 @@ bool gemm_gguf_has_avx512() {
   return true;
 #else
   return false;
+#endif
+}
+
+std::string gemm_gguf_isa() {
+#if defined(TINYVLLM_QGEMM_AVX512)
+  return "avx512_bf16";
+#elif defined(TINYVLLM_QGEMM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
 #endif
 }
