@@ -603,7 +603,9 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
 // invariant as there. A work item is 32 columns (two groups: four independent p chains per row, as
 // the chain of 32 dependent fmas per block would otherwise bound M = 1); per block the item's
 // weights are decoded once into fp32 (qf[32 k][32 columns], 4 KB, L1) and swept by up to 4 rows at a
-// time (16 chains).
+// time (16 chains); at M <= 2 (decode) the weights are decoded in registers and used at once
+// (avx2_rows_direct). Both give the same bits: only the loop order around each element's chain
+// differs.
 
 constexpr int kAvx2Cols = 32;
 
@@ -660,13 +662,15 @@ inline void avx2_block_scales(int fmt, const uint8_t* const* gs, int ng, int64_t
   }
 }
 
+template <int R, int NV>
+inline void avx2_fold(int fmt, const __m256* p, const float* sc, int which, float* acc);
+template <int R, int NV>
+inline void avx2_fold_min(const float* sc, const float* xs, int64_t nb, int64_t b, float* acc);
+
 // Rows r0..r0+R-1 of one block: acc[r][v] (v: 8-column vectors, NV = 2 * ng) updated in memory.
 template <int R, int NV>
 inline void avx2_rows(int fmt, const float* qf, const float* sc, const float* xf, int64_t K, int64_t b,
                       const float* xs, int64_t nb, float* acc) {
-  __m256 a[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) a[r][v] = _mm256_loadu_ps(acc + r * kAvx2Cols + 8 * v);
   const float* x0 = xf + b * 32;
   const int halves = fmt_halves(fmt) ? 2 : 1;
   const int kps = 16 / halves;
@@ -685,19 +689,80 @@ inline void avx2_rows(int fmt, const float* qf, const float* sc, const float* xf
         }
       }
     }
-    for (int v = 0; v < NV; ++v) {
-      const __m256 d = _mm256_loadu_ps(sc + (fmt_halves(fmt) ? h : 0) * kAvx2Cols + 8 * v);
-      for (int r = 0; r < R; ++r) a[r][v] = _mm256_fmadd_ps(p[r][v], d, a[r][v]);
-    }
+    avx2_fold<R, NV>(fmt, &p[0][0], sc, fmt_halves(fmt) ? h : 0, acc);
   }
-  if (fmt_min(fmt)) {
+  if (fmt_min(fmt)) avx2_fold_min<R, NV>(sc, xs, nb, b, acc);
+}
+
+// acc = fma(p, d, acc) per vector, d = scale `which` of the block (the reference's fold).
+template <int R, int NV>
+inline void avx2_fold(int fmt, const __m256* p, const float* sc, int which, float* acc) {
+  (void)fmt;
+  for (int v = 0; v < NV; ++v) {
+    const __m256 d = _mm256_loadu_ps(sc + which * kAvx2Cols + 8 * v);
     for (int r = 0; r < R; ++r) {
-      const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
-      for (int v = 0; v < NV; ++v) a[r][v] = _mm256_fmadd_ps(s, _mm256_loadu_ps(sc + kAvx2Cols + 8 * v), a[r][v]);
+      float* a = acc + r * kAvx2Cols + 8 * v;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(p[r * NV + v], d, _mm256_loadu_ps(a)));
     }
   }
+}
+
+// acc = fma(xs[r, b], m, acc): the block minimum's term (Q4_0/Q4_1, Q4_K).
+template <int R, int NV>
+inline void avx2_fold_min(const float* sc, const float* xs, int64_t nb, int64_t b, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
+    for (int v = 0; v < NV; ++v) {
+      float* a = acc + r * kAvx2Cols + 8 * v;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(s, _mm256_loadu_ps(sc + kAvx2Cols + 8 * v), _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+// M <= 2, Q8_0 / Q4: the same per-element sequence with the weights decoded in registers and used at
+// once (the qf pass above costs as much as the fmas when only one or two rows reuse it).
+template <int R, int NV>
+inline void avx2_rows_direct(int fmt, const uint8_t* const* gq, int64_t b, const float* sc, const float* xf,
+                             int64_t K, const float* xs, int64_t nb, float* acc) {
+  const float* x0 = xf + b * 32;
+  __m256 p[R][NV];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + r * kAvx2Cols + 8 * v, a[r][v]);
+    for (int v = 0; v < NV; ++v) p[r][v] = _mm256_setzero_ps();
+  if (fmt == 0) {
+    for (int kp = 0; kp < 16; ++kp) {
+      for (int v = 0; v < NV; ++v) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(gq[v / 2] + b * 512 + kp * 32) + (v & 1);
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src));
+        const __m256 qo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 16), 24));
+        const __m256 qe = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24), 24));
+        for (int r = 0; r < R; ++r) {
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + r * K + 2 * kp + 1), qo, p[r][v]);
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(x0 + r * K + 2 * kp), qe, p[r][v]);
+        }
+      }
+    }
+  } else {  // nibbles, chunk j: k = 4j+1, 4j, 4j+3, 4j+2 (pairs 2j, 2j+1, odd first)
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    for (int j = 0; j < 8; ++j) {
+      for (int v = 0; v < NV; ++v) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(gq[v / 2] + b * 256 + j * 32) + (v & 1);
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src));
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), mask));
+        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), mask));
+        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 12), mask));
+        for (int r = 0; r < R; ++r) {
+          const float* xk = x0 + r * K + 4 * j;
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), q1, p[r][v]);
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk), q0, p[r][v]);
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 3), q3, p[r][v]);
+          p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 2), q2, p[r][v]);
+        }
+      }
+    }
+  }
+  avx2_fold<R, NV>(fmt, &p[0][0], sc, 0, acc);
+  if (fmt_min(fmt)) avx2_fold_min<R, NV>(sc, xs, nb, b, acc);
 }
 
 template <int NV>
@@ -731,9 +796,21 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
       const uint8_t* gq[2] = {qs + g0 * gq_stride, qs + (g0 + ng - 1) * gq_stride};
       const uint8_t* gs[2] = {sc + g0 * gs_stride, sc + (g0 + ng - 1) * gs_stride};
       std::fill(acc.begin(), acc.end(), 0.0f);
+      const bool direct = M <= 2 && fmt <= 2;  // fmt 2 (Q4_K) shares Q4's nibble layout
       for (int64_t b = 0; b < nb; ++b) {
-        avx2_decode_block(fmt, gq, ng, b, qf);
         avx2_block_scales(fmt, gs, ng, b, scv);
+        if (direct) {
+          const float* xsb = xs ? xs : nullptr;
+          if (ng == 2) {
+            if (M == 2) avx2_rows_direct<2, 4>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
+            else avx2_rows_direct<1, 4>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
+          } else {
+            if (M == 2) avx2_rows_direct<2, 2>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
+            else avx2_rows_direct<1, 2>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
+          }
+          continue;
+        }
+        avx2_decode_block(fmt, gq, ng, b, qf);
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
           const int R = static_cast<int>(std::min<int64_t>(4, M - r0));
           const float* xr = xf.data() + r0 * K;
