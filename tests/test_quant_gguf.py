@@ -141,7 +141,7 @@ def test_mixed_format_fusion_runs_each_part(kern):
 def test_flag_validation():
     from tinyvllm.config import EngineArgs, ModelConfig
 
-    assert ModelConfig().quantization == "none"  # native is opt-in until measured faster (README)
+    assert ModelConfig().quantization == "auto"  # native where it is the faster path (resolve_quantization)
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="awq")
     assert EngineArgs.from_kwargs(quantization="none").quantization == "none"
@@ -270,7 +270,11 @@ def test_resolve_quantization_rules(tmp_path):
         gguf_quant.resolve_quantization("gguf", d, torch.float32, "cpu")
     with pytest.raises(ValueError, match="not a GGUF"):
         gguf_quant.resolve_quantization("gguf", tmp_path, torch.bfloat16, "cpu")
-    assert gguf_quant.resolve_quantization("auto", d, torch.bfloat16, "cpu") is not None
+    kern = _kern()
+    # auto: native only where the packed bf16 GEMM is missing (there native is the faster path)
+    native_is_faster = not kern.gemm_has_bf16_kernel() and kern.gemm_gguf_isa() != "scalar"
+    assert (gguf_quant.resolve_quantization("auto", d, torch.bfloat16, "cpu") is not None) == native_is_faster
+    assert gguf_quant.resolve_quantization("gguf", d, torch.bfloat16, "cpu") is not None
 
 
 def test_random_q4_k_m_gguf_native_matches_float32(kern, tmp_path, monkeypatch):

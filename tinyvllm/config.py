@@ -153,11 +153,11 @@ class ModelConfig:
         load_format: ``auto`` (read the ``*.safetensors`` weights) or ``dummy``
             (vLLM's flag: seeded random weights of the shapes ``config.json`` gives;
             the directory needs no weight files; for benchmarks of a model's shape).
-        quantization: ``none`` (the default for now: dequantize at load, the bf16/fp32 path),
-            ``auto`` (a quantized GGUF runs natively when the dtype is bfloat16 on the CPU) or ``gguf``
-            (native GGUF blocks, required: an error if it cannot run). vLLM's flag name. Native is
-            opt-in until it is measured faster at equal quality (its linears are ~2x faster at one
-            row, 7-40 % slower from 8 rows up: docs/benchmarks.md, "Native GGUF").
+        quantization: ``auto`` (the default: a quantized GGUF runs natively where that is the faster
+            path: bf16 on a CPU without AVX512-BF16, see
+            :func:`~tinyvllm.model.gguf_quant.resolve_quantization`), ``none`` (dequantize at load,
+            the bf16/fp32 path) or ``gguf`` (native GGUF blocks, required: an error if it cannot run).
+            vLLM's flag name. Figures: docs/benchmarks.md, "Native GGUF".
     """
 
     model: str = DEFAULT_MODEL
@@ -167,7 +167,7 @@ class ModelConfig:
     device: str = "auto"
     enforce_eager: bool = False
     load_format: str = "auto"
-    quantization: str = "none"
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         _check_dtype_name(self.dtype)
@@ -333,9 +333,9 @@ class EngineArgs:
                                "config.json (a directory with config.json and tokenizer files is enough; for "
                                "benchmarks)", choices=LOAD_FORMATS)
     quantization: str = _option(ModelConfig.quantization,
-                                "none: dequantize at load (default); auto: a quantized GGUF (Q8_0/Q4_0/Q4_1) runs "
-                                "on its blocks natively when the dtype is bfloat16 on the CPU; gguf: native, or "
-                                "an error",
+                                "auto (default): a quantized GGUF (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K) runs on its blocks "
+                                "natively where that is faster (bfloat16 on a CPU without AVX512-BF16); none: "
+                                "dequantize at load; gguf: native, or an error",
                                 choices=QUANTIZATION_MODES)
     enable_chunked_prefill: bool = _option(SchedulerConfig.enable_chunked_prefill,
                                            "split prompts longer than the step's remaining token budget",

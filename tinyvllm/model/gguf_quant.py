@@ -471,10 +471,15 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
                          load_format: str = "auto") -> Path | None:
     """The GGUF file to run natively, or None for the dequantized path.
 
-    ``auto``: native when ``model_dir`` was converted from a GGUF whose linears are quantized, the dtype
-    is bfloat16, the device is the CPU and the C++ kernels have a vector ``gemm_gguf`` (AVX512-BF16 or
-    AVX2 + FMA). ``gguf``: the same conditions are required (the kernels' portable scalar loop is used
-    where neither is built).
+    ``auto`` (the default): native where it is the faster path. That is: ``model_dir`` was converted
+    from a GGUF whose linears are quantized, the dtype is bfloat16, the device is the CPU, the C++
+    kernels have a vector ``gemm_gguf`` (AVX512-BF16 or AVX2 + FMA) and no packed bf16 GEMM (no
+    AVX512-BF16: AMD Zen 1-3, Intel before Cooper Lake). There the dequantized path is PyTorch's bf16
+    ``F.linear`` in padded row slabs, which native beat 2-4x per linear and 12x per batch-1 decode
+    step (docs/benchmarks.md, "Native GGUF on AVX2"). With AVX512-BF16 the packed bf16 GEMM (AMX or
+    ``vdpbf16ps``) is faster from 8 rows up and invariance forbids switching kernels by rows, so
+    ``auto`` keeps it. ``gguf``: native is required wherever it can run (the kernels' portable
+    scalar loop where no vector kernel is built).
     ``none``: None.
 
     Raises:
@@ -499,7 +504,9 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
         kern = cpu_kernels()
         if kern is None:
             why = "the C++ CPU kernels are not built"
-        elif kern.gemm_gguf_isa() == "scalar" and mode == "auto":
+        elif mode == "auto" and kern.gemm_has_bf16_kernel():
+            why = "the packed bf16 GEMM (AVX512-BF16) is faster here from 8 rows up; --quantization gguf forces native"
+        elif mode == "auto" and kern.gemm_gguf_isa() == "scalar":
             why = "neither AVX512-BF16 nor AVX2 (the portable loop is slow; --quantization gguf forces it)"
     if why is None:
         return src
