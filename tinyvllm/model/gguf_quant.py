@@ -512,7 +512,8 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
         return src
     if mode == "gguf":
         raise ValueError(f"quantization='gguf' cannot run: {why}")
-    logger.info("GGUF weights dequantized at load (%s)", why)
+    if src is not None:  # (auto on a model that is not a GGUF: nothing to say)
+        logger.info("GGUF weights dequantized at load (%s)", why)
     return None
 
 
