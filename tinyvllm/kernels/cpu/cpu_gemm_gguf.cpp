@@ -64,6 +64,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
@@ -609,22 +610,26 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
 
 constexpr int kAvx2Cols = 32;
 
+// Nibble `shift` (0, 4, 8, 12) of 8 widened 16-bit words, as fp32 (the Q4 layout's four k per word).
+inline __m256 avx2_nibble(__m256i w, int shift) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(0xF)));
+}
+
 // qf[k * 32 + c] = q of column c0 + c (c < 16 * ng) at k of block b, as fp32.
 inline void avx2_decode_block(int fmt, const uint8_t* const* gq, int ng, int64_t b, float* qf) {
   for (int h = 0; h < ng; ++h) {
     float* qh = qf + 16 * h;
     if (fmt == 1 || fmt == 2) {  // nibbles: chunk j's word c = q[c][4j] | q[c][4j+1] << 8 | q[c][4j+2] << 4 | q[c][4j+3] << 12
       const uint8_t* blk = gq[h] + b * 256;
-      const __m256i mask = _mm256_set1_epi32(0xF);
       for (int j = 0; j < 8; ++j) {
         const __m128i* src = reinterpret_cast<const __m128i*>(blk + j * 32);
-        const __m256i w[2] = {_mm256_cvtepu16_epi32(_mm_loadu_si128(src)), _mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1))};
         for (int half = 0; half < 2; ++half) {
+          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src + half));
           float* o = qh + 8 * half;
-          _mm256_storeu_ps(o + (4 * j) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(w[half], mask)));
-          _mm256_storeu_ps(o + (4 * j + 1) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 8), mask)));
-          _mm256_storeu_ps(o + (4 * j + 2) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 4), mask)));
-          _mm256_storeu_ps(o + (4 * j + 3) * kAvx2Cols, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[half], 12), mask)));
+          _mm256_storeu_ps(o + (4 * j) * kAvx2Cols, avx2_nibble(w, 0));
+          _mm256_storeu_ps(o + (4 * j + 1) * kAvx2Cols, avx2_nibble(w, 8));
+          _mm256_storeu_ps(o + (4 * j + 2) * kAvx2Cols, avx2_nibble(w, 4));
+          _mm256_storeu_ps(o + (4 * j + 3) * kAvx2Cols, avx2_nibble(w, 12));
         }
       }
     } else if (fmt == 0) {  // int8: row kp's word c = q[c][2kp] | q[c][2kp+1] << 8
@@ -662,10 +667,29 @@ inline void avx2_block_scales(int fmt, const uint8_t* const* gs, int ng, int64_t
   }
 }
 
+// acc = fma(p, d, acc) per vector, d = scale `which` of the block (the reference's fold).
 template <int R, int NV>
-inline void avx2_fold(int fmt, const __m256* p, const float* sc, int which, float* acc);
+inline void avx2_fold(const __m256* p, const float* sc, int which, float* acc) {
+  for (int v = 0; v < NV; ++v) {
+    const __m256 d = _mm256_loadu_ps(sc + which * kAvx2Cols + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      float* a = acc + r * kAvx2Cols + 8 * v;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(p[r * NV + v], d, _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+// acc = fma(xs[r, b], m, acc): the block minimum's term (Q4_0/Q4_1, Q4_K).
 template <int R, int NV>
-inline void avx2_fold_min(const float* sc, const float* xs, int64_t nb, int64_t b, float* acc);
+inline void avx2_fold_min(const float* sc, const float* xs, int64_t nb, int64_t b, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
+    for (int v = 0; v < NV; ++v) {
+      float* a = acc + r * kAvx2Cols + 8 * v;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(s, _mm256_loadu_ps(sc + kAvx2Cols + 8 * v), _mm256_loadu_ps(a)));
+    }
+  }
+}
 
 // Rows r0..r0+R-1 of one block: acc[r][v] (v: 8-column vectors, NV = 2 * ng) updated in memory.
 template <int R, int NV>
@@ -689,34 +713,9 @@ inline void avx2_rows(int fmt, const float* qf, const float* sc, const float* xf
         }
       }
     }
-    avx2_fold<R, NV>(fmt, &p[0][0], sc, fmt_halves(fmt) ? h : 0, acc);
+    avx2_fold<R, NV>(&p[0][0], sc, fmt_halves(fmt) ? h : 0, acc);
   }
   if (fmt_min(fmt)) avx2_fold_min<R, NV>(sc, xs, nb, b, acc);
-}
-
-// acc = fma(p, d, acc) per vector, d = scale `which` of the block (the reference's fold).
-template <int R, int NV>
-inline void avx2_fold(int fmt, const __m256* p, const float* sc, int which, float* acc) {
-  (void)fmt;
-  for (int v = 0; v < NV; ++v) {
-    const __m256 d = _mm256_loadu_ps(sc + which * kAvx2Cols + 8 * v);
-    for (int r = 0; r < R; ++r) {
-      float* a = acc + r * kAvx2Cols + 8 * v;
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(p[r * NV + v], d, _mm256_loadu_ps(a)));
-    }
-  }
-}
-
-// acc = fma(xs[r, b], m, acc): the block minimum's term (Q4_0/Q4_1, Q4_K).
-template <int R, int NV>
-inline void avx2_fold_min(const float* sc, const float* xs, int64_t nb, int64_t b, float* acc) {
-  for (int r = 0; r < R; ++r) {
-    const __m256 s = _mm256_set1_ps(xs[r * nb + b]);
-    for (int v = 0; v < NV; ++v) {
-      float* a = acc + r * kAvx2Cols + 8 * v;
-      _mm256_storeu_ps(a, _mm256_fmadd_ps(s, _mm256_loadu_ps(sc + kAvx2Cols + 8 * v), _mm256_loadu_ps(a)));
-    }
-  }
 }
 
 // M <= 2, Q8_0 / Q4: the same per-element sequence with the weights decoded in registers and used at
@@ -742,15 +741,11 @@ inline void avx2_rows_direct(int fmt, const uint8_t* const* gq, int64_t b, const
       }
     }
   } else {  // nibbles, chunk j: k = 4j+1, 4j, 4j+3, 4j+2 (pairs 2j, 2j+1, odd first)
-    const __m256i mask = _mm256_set1_epi32(0xF);
     for (int j = 0; j < 8; ++j) {
       for (int v = 0; v < NV; ++v) {
         const __m128i* src = reinterpret_cast<const __m128i*>(gq[v / 2] + b * 256 + j * 32) + (v & 1);
         const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(src));
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
-        const __m256 q1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8), mask));
-        const __m256 q2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 4), mask));
-        const __m256 q3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 12), mask));
+        const __m256 q0 = avx2_nibble(w, 0), q1 = avx2_nibble(w, 8), q2 = avx2_nibble(w, 4), q3 = avx2_nibble(w, 12);
         for (int r = 0; r < R; ++r) {
           const float* xk = x0 + r * K + 4 * j;
           p[r][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + 1), q1, p[r][v]);
@@ -761,7 +756,7 @@ inline void avx2_rows_direct(int fmt, const uint8_t* const* gq, int64_t b, const
       }
     }
   }
-  avx2_fold<R, NV>(fmt, &p[0][0], sc, 0, acc);
+  avx2_fold<R, NV>(&p[0][0], sc, 0, acc);
   if (fmt_min(fmt)) avx2_fold_min<R, NV>(sc, xs, nb, b, acc);
 }
 
@@ -800,14 +795,14 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
       for (int64_t b = 0; b < nb; ++b) {
         avx2_block_scales(fmt, gs, ng, b, scv);
         if (direct) {
-          const float* xsb = xs ? xs : nullptr;
-          if (ng == 2) {
-            if (M == 2) avx2_rows_direct<2, 4>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
-            else avx2_rows_direct<1, 4>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
-          } else {
-            if (M == 2) avx2_rows_direct<2, 2>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
-            else avx2_rows_direct<1, 2>(fmt, gq, b, scv, xf.data(), K, xsb, nb, acc.data());
-          }
+          auto run = [&](auto r, auto nv) {
+            avx2_rows_direct<decltype(r)::value, decltype(nv)::value>(fmt, gq, b, scv, xf.data(), K, xs, nb, acc.data());
+          };
+          using One = std::integral_constant<int, 1>;
+          using Two = std::integral_constant<int, 2>;
+          using Four = std::integral_constant<int, 4>;
+          if (ng == 2) { if (M == 2) run(Two{}, Four{}); else run(One{}, Four{}); }
+          else { if (M == 2) run(Two{}, Two{}); else run(One{}, Two{}); }
           continue;
         }
         avx2_decode_block(fmt, gq, ng, b, qf);
@@ -907,14 +902,6 @@ torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
            static_cast<int>(fmt), N, K, reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>()),
            p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
   return p.out.view(p.out_shape);
-}
-
-bool gemm_gguf_has_avx512() {
-#if defined(TINYVLLM_QGEMM_AVX512)
-  return true;
-#else
-  return false;
-#endif
 }
 
 std::string gemm_gguf_isa() {

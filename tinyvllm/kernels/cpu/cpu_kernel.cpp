@@ -1174,7 +1174,6 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
                         c10::optional<torch::Tensor> bias);
 torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
                             int64_t K, c10::optional<torch::Tensor> bias);
-bool gemm_gguf_has_avx512();
 std::string gemm_gguf_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1186,7 +1185,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none());
   m.def("gemm_gguf_ref", &gemm_gguf_ref, "the portable scalar loop of gemm_gguf (tests)", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
-  m.def("gemm_gguf_has_avx512", &gemm_gguf_has_avx512, "whether gemm_gguf runs the AVX512-BF16 kernel");
   m.def("gemm_gguf_isa", &gemm_gguf_isa,
         "which gemm_gguf kernel was built: avx512_bf16, avx2 (equal to gemm_gguf_ref bit for bit) or scalar");
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
