@@ -333,10 +333,6 @@ def test_kernel_sums_each_block_in_the_reference_order(kern, qtype):
     The documented order (per k-pair, odd element first: 2^30, 0, -2^30, 1) gives the exact 1; even
     first, or the pairs in another order, loses the 1 in 2^30 (half an fp32 ulp there is 64) and gives
     0. Random inputs cannot see this: their sums almost never round differently by order."""
-    if kern.gemm_gguf_isa() == "avx512_bf16":
-        # VDPBF16PS is documented (Intel SDM) to add the odd product first; written on an AVX2-only
-        # machine, this has not run on AVX-512 hardware yet: un-skip it there once it is seen to pass.
-        pytest.skip("not yet run on AVX512-BF16 hardware (written on an AVX2 machine)")
     n, k = 20, 64
     nb = k // 32
     d = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
