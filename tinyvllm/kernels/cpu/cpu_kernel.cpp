@@ -498,14 +498,26 @@ struct PackedTile {
   alignas(64) uint32_t v[kKvTile / 2][ND * 16];
 
   // rows[j]: the K (kr) and V (vr) cache rows of tile position j (a zero row past the context).
-  void pack(const c10::BFloat16* const* kr, const c10::BFloat16* const* vr) {
-    for (int jb = 0; jb < kKvTile; jb += 16)
+  // nk / nv, when not null: the next tile's rows, prefetched into L2 a 16-row group at a time between
+  // the transposes (a burst of the whole tile's prefetches before the pack would stall the core
+  // on its few fill buffers instead of overlapping the loads with this tile's work).
+  void pack(const c10::BFloat16* const* kr, const c10::BFloat16* const* vr,
+            const c10::BFloat16* const* nk, const c10::BFloat16* const* nv) {
+    for (int jb = 0; jb < kKvTile; jb += 16) {
+      if (nk != nullptr) {
+        for (int j = jb; j < jb + 16; ++j)
+          for (int b = 0; b < ND * 32; b += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(nk[j]) + b, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(nv[j]) + b, _MM_HINT_T1);
+          }
+      }
       for (int db = 0; db < DP; db += 16) {
         __m512i r[16];
         for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(kr[jb + j]) + db);
         transpose16x16(r);
         for (int d = 0; d < 16; ++d) _mm512_store_si512(&k[db + d][jb], r[d]);
       }
+    }
     // Word 2i of the result = a[i], word 2i+1 = b[i] (i = 0..15), and the same for a[16..31], b[16..31].
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -775,8 +787,8 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (use_amx) amx_configure();
 #endif
-    const C* kr[kKvTile];
-    const C* vr[kKvTile];
+    // The row pointers of a tile and of the next one (double buffer: the next one's are prefetched).
+    const C* rows[2][2][kKvTile];
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
       const Item& w = items[it];
       const int64_t pairs = w.rows * G;
@@ -793,30 +805,26 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         for (int v = 0; v < ND; ++v) _mm512_store_ps(s.o + v * 16, _mm512_setzero_ps());
         s.pos = static_cast<int32_t>(pos0 + p / G);
       }
-      int64_t blk = 0, off = 0;  // block table walk: position j0 = blk * bs + off
-      for (int64_t j0 = 0; j0 < ctx_max; j0 += kKvTile) {
-        for (int64_t j = 0; j < kKvTile; ++j) {
-          if (j0 + j < ctx_max) {
-            const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * D;
-            kr[j] = kp + e;
-            vr[j] = vp + e;
-            if (++off == bs) off = 0, ++blk;
-          } else {
-            kr[j] = vr[j] = zero_row;
-          }
+      // Tile positions [j0, j0 + kKvTile) through the block table, whole blocks at a time.
+      const auto fill = [&](int64_t j0, const C** kr, const C** vr) {
+        int64_t j = 0;
+        for (int64_t blk = j0 / bs, off = j0 % bs; j < kKvTile && j0 + j < ctx_max; ++blk, off = 0) {
+          const int64_t n = std::min({bs - off, kKvTile - j, ctx_max - j0 - j});
+          const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * D;
+          for (int64_t i = 0; i < n; ++i, ++j) kr[j] = kp + e + i * Hk * D, vr[j] = vp + e + i * Hk * D;
         }
-        if (g_prefetch) {  // the next tile's rows (the block table scatters them: no hardware prefetch)
-          int64_t pb = blk, po = off;
-          for (int64_t j = j0 + kKvTile; j < std::min<int64_t>(j0 + 2 * kKvTile, ctx_max); ++j) {
-            const int64_t e = ((bt[pb] * bs + po) * Hk + w.hk) * D;
-            if (++po == bs) po = 0, ++pb;
-            for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(C)); b += 64) {
-              _mm_prefetch(reinterpret_cast<const char*>(kp + e) + b, _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(vp + e) + b, _MM_HINT_T0);
-            }
-          }
-        }
-        tile->pack(kr, vr);
+        for (; j < kKvTile; ++j) kr[j] = vr[j] = zero_row;
+      };
+      int cur = 0;
+      fill(0, rows[0][0], rows[0][1]);
+      for (int64_t j0 = 0; j0 < ctx_max; j0 += kKvTile, cur ^= 1) {
+        const bool more = j0 + kKvTile < ctx_max;
+        if (more) fill(j0 + kKvTile, rows[cur ^ 1][0], rows[cur ^ 1][1]);
+        // The block table scatters the rows, so the hardware prefetchers do not follow them: the next
+        // tile's rows are prefetched into L2 during this tile's pack (a prefetch distance of one tile
+        // beat two and three, and L2 beat L1: docs/benchmarks.md).
+        const bool pf = more && g_prefetch;
+        tile->pack(rows[cur][0], rows[cur][1], pf ? rows[cur ^ 1][0] : nullptr, pf ? rows[cur ^ 1][1] : nullptr);
         // Rows whose position is before this tile are done with it; the others take it.
         const int64_t first = std::max<int64_t>(0, j0 - pos0) * G;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
