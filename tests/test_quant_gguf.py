@@ -224,14 +224,21 @@ def _lp(v):
     return float(getattr(v, "logprob", v))
 
 
-def test_unsupported_tensor_in_file(tmp_path):
-    """A GGUF with a Q5_0 linear: --quantization gguf names it; auto dequantizes that tensor."""
+def test_unsupported_tensor_in_file(tmp_path, monkeypatch):
+    """A GGUF with a Q5_0 linear: --quantization gguf names it; where auto runs native (no packed bf16
+    GEMM: AVX2 machines) it dequantizes that one tensor and runs the others natively."""
     from tinyvllm import LLM, SamplingParams
 
     path = write_random_gguf(tmp_path / "tiny.gguf", hidden=64, layers=2, heads=4, kv_heads=2, inter=128,
                              tensor_types={"blk.1.ffn_down.weight": "Q5_0"})
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_down\.weight.*Q5_0"):
         LLM(str(path), dtype="bfloat16", quantization="gguf")
+    kern = _kern()
+    if kern.gemm_has_bf16_kernel():
+        # auto keeps the dequantized path on this machine (test_resolve_quantization_rules); take the
+        # branch auto takes on an AVX2 machine by hiding the packed GEMM from the rule, so that the
+        # per-tensor fallback runs here too (the real AVX-512 gemm_gguf and gemm_bf16 kernels still run).
+        monkeypatch.setattr(kern, "gemm_has_bf16_kernel", lambda: False)
     llm = LLM(str(path), dtype="bfloat16", quantization="auto")
     model = llm.llm_engine.core.model
     assert model.quantization == "gguf"
