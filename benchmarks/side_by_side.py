@@ -37,9 +37,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = os.environ.get("PY", str(ROOT / ".venv" / "bin" / "python"))
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of every process in process group ``pgid`` (bytes, from /proc)."""
-    total = 0
+def group_processes(pgid: int) -> dict[int, dict]:
+    """Every process in process group ``pgid``, from /proc: {pid: {name, rss_bytes, cpu_s}} (cpu_s: user +
+    system seconds so far; name: the command line, cut to 60 characters)."""
+    tick, procs = os.sysconf("SC_CLK_TCK"), {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -48,12 +49,20 @@ def group_rss_bytes(pgid: int) -> int:
             fields = stat[stat.rindex(")") + 2:].split()
             if int(fields[2]) != pgid:  # field 5 of stat: process group
                 continue
+            rss = 0
             for line in (d / "status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+                    rss = int(line.split()[1]) * 1024
+            name = (d / "cmdline").read_text().replace("\0", " ").strip()[:60] or stat[stat.index("(") + 1:stat.rindex(")")]
+            procs[int(d.name)] = {"name": name, "rss_bytes": rss, "cpu_s": (int(fields[11]) + int(fields[12])) / tick}
         except (OSError, ValueError):
             continue
-    return total
+    return procs
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of every process in process group ``pgid`` (bytes, from /proc)."""
+    return sum(p["rss_bytes"] for p in group_processes(pgid).values())
 
 
 class RssSampler(threading.Thread):
@@ -91,11 +100,28 @@ def run_workload(name: str, url: str, model: str, out: Path, tag: str, extra: li
     return r.get("metrics", r)
 
 
-def measure(name: str, url: str, command: str, model: str, out: Path, start_timeout: float) -> dict:
+def start_server(name: str, command: str, out: Path) -> subprocess.Popen:
+    """Launch ``command`` (a shell line) in its own process group, output to ``out/<name>-server.log``."""
     print(f"== {name}: starting: {command}", flush=True)
-    t_launch = time.perf_counter()
-    proc = subprocess.Popen(command, shell=True, start_new_session=True, cwd=ROOT,
+    return subprocess.Popen(command, shell=True, start_new_session=True, cwd=ROOT,
                             stdout=open(out / f"{name}-server.log", "w"), stderr=subprocess.STDOUT)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL it after 30 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def measure(name: str, url: str, command: str, model: str, out: Path, start_timeout: float) -> dict:
+    t_launch = time.perf_counter()
+    proc = start_server(name, command, out)
     sampler = RssSampler(proc.pid)
     sampler.start()
     res: dict = {"server": name, "command": command}
@@ -123,14 +149,7 @@ def measure(name: str, url: str, command: str, model: str, out: Path, start_time
         sampler.stop.set()
         sampler.join()
         res["peak_rss_gb"] = sampler.peak / 1e9
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_server(proc)
         res["wall_s"] = time.perf_counter() - t_launch
         time.sleep(2.0)  # let the port and the memory go before the next server
     return res
