@@ -18,7 +18,8 @@ Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEM
 ``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs).
 
 Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
-``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set),
+``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set), ``THP_MEM_ALLOC_ENABLE``
+(torch's: huge pages for allocations of >= 2 MiB; set to ``1`` on import unless already set),
 ``TRITON_INTERPRET`` (read by triton), ``TOKENIZERS_PARALLELISM``.
 """
 
