@@ -407,3 +407,55 @@ def test_packed_weights_refuse_a_second_load(tmp_path):
         pytest.skip("bf16 GEMM kernel not built on this CPU: weights stay unpacked")
     with pytest.raises(RuntimeError, match="packed"):
         load_weights(m, [])
+
+
+@pytest.mark.parametrize("begin,end,grain", [(0, 1, 1), (0, 2, 1), (3, 40, 1), (0, 576, 16), (7, 100, 16),
+                                             (0, 1000, 4), (0, 17, 16), (5, 6, 16), (0, 0, 1)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_pool_runs_every_index_once_on_grain_boundaries(begin, end, grain, threads):
+    """cpu_pool.h's parallel_for (dynamic chunks; the caller does not wait for a worker that has
+    not started): over 200 jobs in a row, each index of [begin, end) is visited exactly once per job,
+    every chunk begins on begin + a multiple of grain, and an exception raised in a chunk reaches the
+    caller. Three threads on a 2-core machine make some worker late for most jobs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        counts, aligned, rethrown = KERN.parallel_pool_cover(begin, end, grain, 200)
+    finally:
+        torch.set_num_threads(before)
+    assert counts.shape == (max(end - begin, 0),)
+    assert torch.equal(counts, torch.full_like(counts, 200))
+    assert aligned
+    assert rethrown == (end > begin)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gemm_and_attention_bits_do_not_depend_on_the_parallel_pool(m, threads):
+    """The pool divides work, never arithmetic: gemm_bf16 (decode and prefill shapes), the GGUF-free
+    paged attention and RMSNorm give the same bits on the pool as on at::parallel_for, on 2 or 3
+    threads, and the same as on one thread."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(576, 576, generator=g).bfloat16()
+    packed = KERN.gemm_pack_bf16(w)
+    x = torch.randn(m, 576, generator=g).bfloat16()
+    seqs = [(0, 37), (0, 1), (5, 20), (200, 1)] if m > 1 else [(300, 1)]
+    args, _ = make_batch(seqs, 9, 3, 64, 16, torch.bfloat16)
+    hw = torch.randn(576, generator=g).bfloat16()
+
+    def run():
+        return (KERN.gemm_bf16(x, packed, 576, 576, None), KERN.paged_attention(*args, 64 ** -0.5),
+                KERN.rms_norm(x, None, hw, 1e-5)[0])
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ref = run()
+        torch.set_num_threads(threads)
+        for on in (True, False, True):
+            KERN.set_parallel_pool(on)
+            for a, b in zip(run(), ref):
+                assert torch.equal(a, b)
+    finally:
+        KERN.set_parallel_pool(True)
+        torch.set_num_threads(before)

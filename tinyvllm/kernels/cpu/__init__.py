@@ -24,6 +24,7 @@ _KERNEL_TRIED = False
 SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"),
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"),
            Path(__file__).with_name("cpu_gemm_amx.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # included by the sources: part of the build key
 
 
 _BUILT_MARKER = "tinyvllm_built"
@@ -101,7 +102,7 @@ def cpu_kernels():
         # The build records absolute paths (sources, the venv's torch headers): checkouts or venvs sharing
         # one cache would otherwise overwrite each other's build and recompile (~30 s) on every switch.
         where = f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}"
-        tag = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + " ".join(cflags).encode()
+        tag = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(cflags).encode()
                              + cpu.encode() + where.encode()).hexdigest()[:10]
         build = envs.TINYVLLM_CACHE / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
         build.mkdir(parents=True, exist_ok=True)

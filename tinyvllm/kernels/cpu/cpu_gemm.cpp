@@ -32,12 +32,13 @@
 //  * Cache blocking: a 64-column weight panel (64 x K bf16 <= 192 KiB for K = 1536) stays in
 //    L1/L2 while all M tiles sweep over it, so every weight byte comes from DRAM once per call
 //    and the small-M (decode, GEMV-like) case is a pure weight stream at memory bandwidth.
-//  * Threads (at::parallel_for): for small M the N dimension is split at 16-column granularity
+//  * Threads (tv_pool::parallel_for, cpu_pool.h): for small M the N dimension is split at 16-column granularity
 //    (so e.g. N = 576 splits 18/18 over 2 threads); for larger M the work items are
 //    (64-column block, 6-row tile) pairs in block-major order, so each thread keeps re-using a
 //    panel across consecutive tiles. Neither split touches the K reduction.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_pool.h"
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
@@ -226,7 +227,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
         u += c;
       }
     };
-    if (tiny) body(0, units); else at::parallel_for(0, units, 1, body);
+    if (tiny) body(0, units); else tv_pool::parallel_for(0, units, 1, body);
     return;
   }
 
@@ -252,7 +253,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
       i += mt1 - mt0;
     }
   };
-  if (tiny) body(0, nblocks * mtiles); else at::parallel_for(0, nblocks * mtiles, 1, body);
+  if (tiny) body(0, nblocks * mtiles); else tv_pool::parallel_for(0, nblocks * mtiles, 1, body);
 }
 
 #else  // portable scalar fallback
@@ -264,7 +265,7 @@ void gemm_scalar(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
                  int64_t Kp, uint16_t* out, const float* bias) {
   const int64_t kpairs = Kp / 2;
   const int64_t block_elems = kpairs * kBlockN * 2;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint16_t* wb = packed + (n / kBlockN) * block_elems + (n % kBlockN) * 2;
       for (int64_t m = 0; m < M; ++m) {

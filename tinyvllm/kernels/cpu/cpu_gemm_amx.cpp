@@ -44,6 +44,7 @@
 // units as in the VDPBF16PS path, so each thread streams one contiguous run of weights.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_pool.h"
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -324,7 +325,7 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
       }
       _tile_release();
     };
-    if (tiny) body(0, units); else at::parallel_for(0, units, 1, body);
+    if (tiny) body(0, units); else tv_pool::parallel_for(0, units, 1, body);
     return;
   }
 
@@ -371,7 +372,7 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
     _tile_release();
   };
   const int64_t nthreads = std::min<int64_t>(nthreads_max, items);
-  if (tiny || nthreads <= 1) body(0, 1); else at::parallel_for(0, nthreads, 1, body);
+  if (tiny || nthreads <= 1) body(0, 1); else tv_pool::parallel_for(0, nthreads, 1, body);
 #else
   (void)x; (void)ldx; (void)M; (void)packed; (void)N; (void)Kp; (void)out; (void)bias;
   TORCH_CHECK(false, "gemm_amx: not built with AMX-BF16");

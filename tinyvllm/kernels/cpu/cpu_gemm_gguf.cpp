@@ -57,6 +57,7 @@
 // (Q4_K: 4.75; Q6_K: 6.625, its 6-bit values looked up in a 64-word table with vpermt2w).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_pool.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -158,7 +159,7 @@ void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, cons
               int64_t N, int64_t K, uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t g = n / kGroup;
       const int c = static_cast<int>(n % kGroup);
@@ -557,7 +558,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
         u += c;
       }
     };
-    if (tiny) body(0, G); else at::parallel_for(0, G, 1, body);
+    if (tiny) body(0, G); else tv_pool::parallel_for(0, G, 1, body);
     return;
   }
   // Items (M block, panel of kScratchC groups), M block outer: a thread's range converts a panel,
@@ -589,7 +590,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
     std::free(sw);
     std::free(sf);
   };
-  if (tiny) body(0, mblocks * panels); else at::parallel_for(0, mblocks * panels, 1, body);
+  if (tiny) body(0, mblocks * panels); else tv_pool::parallel_for(0, mblocks * panels, 1, body);
 }
 
 #endif
@@ -777,11 +778,11 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   // x as fp32 once per call (the inner loop broadcasts one value per fma group from memory).
   std::vector<float> xf(static_cast<size_t>(M * K));
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  tv_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_f(x[m * ldx + k]);
   });
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  tv_pool::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     alignas(32) float qf[32 * kAvx2Cols];
     alignas(32) float scv[2 * kAvx2Cols];
     std::vector<float> acc(static_cast<size_t>(M * kAvx2Cols));
@@ -863,7 +864,7 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
     float* xsp = p.xs.data_ptr<float>();
     const int64_t ldx = p.ldx;
-    at::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
+    tv_pool::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         for (int64_t b = 0; b < nb; ++b) xsp[m * nb + b] = block_sum_scalar(xp + m * ldx + b * 32);
     });

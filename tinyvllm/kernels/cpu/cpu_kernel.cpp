@@ -14,6 +14,7 @@
 // the last bits from each other, but each is batch invariant on its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "cpu_pool.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <algorithm>
@@ -118,7 +119,7 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
   O* op = out.data_ptr<O>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_tokens * Hk, 1, [&](int64_t begin, int64_t end) {
+  tv_pool::parallel_for(0, num_tokens * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
@@ -329,7 +330,7 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
   tile_start.push_back(num_tokens);
   const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
 
-  at::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
+  tv_pool::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = item / Hk, hk = item % Hk;
@@ -781,7 +782,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   const bool use_amx = g_amx && amx_enabled();
 #endif
 
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  tv_pool::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<PairState<ND>> st(row_block * G + 16);  // + AMX's padding rows past the last pair
     auto tile = std::make_unique<PackedTile<ND>>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -995,7 +996,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
   C* op = out.data_ptr<C>();
   C* rop = res_out.data_ptr<C>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  tv_pool::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> h(H);
     for (int64_t t = begin; t < end; ++t) {
       alignas(64) float lanes[kLanes] = {0};
@@ -1045,7 +1046,7 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
   const C* xp = x.data_ptr<C>();
   C* op = out.data_ptr<C>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  tv_pool::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* g = xp + t * 2 * I;
       const C* u = g + I;
@@ -1086,7 +1087,7 @@ void rope_and_cache_impl(const torch::Tensor& qkv, const torch::Tensor& cos, con
   C* kc = key_cache.data_ptr<C>();
   C* vc = value_cache.data_ptr<C>();
   float* qo = q_out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+  tv_pool::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const C* x = xp + t * row;
       const float* c = cp + pp[t] * half;
@@ -1250,6 +1251,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
+  m.def("set_parallel_pool", [](bool on) { tv_pool::Pool::get().set_enabled(on); },
+        "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False); for A/B runs");
+  m.def("parallel_pool_stats", []() { return tv_pool::Pool::get().stats(); },
+        "(jobs, jobs run by the caller alone after a late worker, late-worker events) of cpu_pool.h's pool");
+  m.def("parallel_pool_cover", [](int64_t begin, int64_t end, int64_t grain, int64_t reps) {
+    // Test hook: run tv_pool::parallel_for(begin, end, grain) reps times; return how often each index
+    // was visited ([end - begin] int64), whether every range began on begin + a multiple of grain, and
+    // whether an exception thrown in one chunk reached the caller.
+    auto counts = torch::zeros({std::max<int64_t>(end - begin, 0)}, torch::kInt64);
+    std::vector<std::atomic<int64_t>> c(static_cast<size_t>(std::max<int64_t>(end - begin, 0)));
+    std::atomic<bool> aligned{true};
+    for (int64_t r = 0; r < reps; ++r)
+      tv_pool::parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+        if ((b - begin) % grain != 0) aligned = false;
+        for (int64_t i = b; i < e; ++i) c[i - begin].fetch_add(1, std::memory_order_relaxed);
+      });
+    bool rethrown = false;
+    try {
+      tv_pool::parallel_for(begin, end, grain, [&](int64_t b, int64_t) {
+        if (b == begin) throw std::runtime_error("chunk failed");
+      });
+    } catch (const std::runtime_error&) {
+      rethrown = true;
+    }
+    int64_t* cp = counts.data_ptr<int64_t>();
+    for (size_t i = 0; i < c.size(); ++i) cp[i] = c[i].load();
+    return std::make_tuple(counts, aligned.load(), rethrown);
+  }, py::arg("begin"), py::arg("end"), py::arg("grain"), py::arg("reps"));
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
     return true;
