@@ -419,9 +419,11 @@ def test_parallel_pool_runs_every_index_once_on_grain_boundaries(begin, end, gra
     caller. Three threads on a 2-core machine make some worker late for most jobs."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    was = KERN.set_parallel_pool(True)
     try:
         counts, aligned, rethrown = KERN.parallel_pool_cover(begin, end, grain, 200)
     finally:
+        KERN.set_parallel_pool(was)
         torch.set_num_threads(before)
     assert counts.shape == (max(end - begin, 0),)
     assert torch.equal(counts, torch.full_like(counts, 200))
@@ -448,6 +450,7 @@ def test_gemm_and_attention_bits_do_not_depend_on_the_parallel_pool(m, threads):
                 KERN.rms_norm(x, None, hw, 1e-5)[0])
 
     before = torch.get_num_threads()
+    was = KERN.set_parallel_pool(False)
     try:
         torch.set_num_threads(1)
         ref = run()
@@ -457,5 +460,5 @@ def test_gemm_and_attention_bits_do_not_depend_on_the_parallel_pool(m, threads):
             for a, b in zip(run(), ref):
                 assert torch.equal(a, b)
     finally:
-        KERN.set_parallel_pool(True)
+        KERN.set_parallel_pool(was)
         torch.set_num_threads(before)

@@ -15,7 +15,9 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
-``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs).
+``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs), ``TINYVLLM_CPU_POOL``
+(``1`` runs the kernels' parallel loops on ``cpu_pool.h``'s pool, whose caller never waits for a
+descheduled thread, instead of ``at::parallel_for``; off by default, docs/benchmarks.md).
 
 Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
 ``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set), ``THP_MEM_ALLOC_ENABLE``

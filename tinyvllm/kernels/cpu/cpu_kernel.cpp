@@ -1251,8 +1251,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
-  m.def("set_parallel_pool", [](bool on) { tv_pool::Pool::get().set_enabled(on); },
-        "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False); for A/B runs");
+  m.def("set_parallel_pool", [](bool on) { return tv_pool::Pool::get().set_enabled(on); },
+        "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False; the default "
+        "unless TINYVLLM_CPU_POOL=1); returns the previous setting");
   m.def("parallel_pool_stats", []() { return tv_pool::Pool::get().stats(); },
         "(jobs, jobs run by the caller alone after a late worker, late-worker events) of cpu_pool.h's pool");
   m.def("parallel_pool_cover", [](int64_t begin, int64_t end, int64_t grain, int64_t reps) {

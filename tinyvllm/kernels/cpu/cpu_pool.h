@@ -24,7 +24,14 @@
 // GOMP_SPINCOUNT=1000 for OpenMP) and then sleep on a condition variable. The pool has
 // at::get_num_threads() - 1 workers, re-created when that changes. A call from inside a job (a
 // nested region) runs serially in the calling thread. An exception in a chunk is rethrown in the
-// caller after the job ends. TINYVLLM_CPU_POOL=0 sends every call to at::parallel_for (A/B runs).
+// caller after the job ends.
+//
+// OFF BY DEFAULT (TINYVLLM_CPU_POOL=1 turns it on; otherwise every call goes to at::parallel_for).
+// Measured on the 2-core Zen 4 machine, 2026-12-02 (docs/benchmarks.md, "A parallel pool for shared
+// cores"): beside a busy loop it takes a batch-1 decode step from 32 to 18.5-21 ms, but over HTTP
+// the run-alone rule trips on the API process's and the client's own CPU use during prefill and
+// concurrency 16, where two threads still beat one: agent workload 93.6 s against 58.7 s, c16 162
+// against 222 output tok/s (light client), 145 against 166 (vllm bench serve).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -129,7 +136,11 @@ class Pool {
     if (error_) std::rethrow_exception(error_);
   }
 
-  void set_enabled(bool on) { enabled_ = on; }
+  bool set_enabled(bool on) {
+    const bool was = enabled_;
+    enabled_ = on;
+    return was;
+  }
 
   // (jobs run, jobs run alone after a late worker, late-worker events) since the start.
   std::tuple<int64_t, int64_t, int64_t> stats() const { return {jobs_, solo_jobs_, late_events_}; }
@@ -139,7 +150,7 @@ class Pool {
 
   Pool() {
     const char* v = std::getenv("TINYVLLM_CPU_POOL");
-    enabled_ = !(v && std::strcmp(v, "0") == 0);
+    enabled_ = v && std::strcmp(v, "1") == 0;  // off by default: see the measurements above
   }
 
   // The caller ran out of chunks at t1 (it began at t0 and ran `own` of them) and then waited for
