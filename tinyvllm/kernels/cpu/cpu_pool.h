@@ -77,8 +77,9 @@ class Pool {
     if (n <= 0) return;
     const int64_t nthreads = at::get_num_threads();
     grain = std::max<int64_t>(grain, 1);
-    if (nthreads <= 1 || n <= grain || in_job_ || !enabled_) {
-      if (!enabled_ && !in_job_ && nthreads > 1 && n > grain) {
+    const bool enabled = enabled_.load(std::memory_order_relaxed);
+    if (nthreads <= 1 || n <= grain || in_job_ || !enabled || at::in_parallel_region()) {
+      if (!enabled && !in_job_ && nthreads > 1 && n > grain) {
         at::parallel_for(begin, end, grain, f);
         return;
       }
@@ -106,7 +107,7 @@ class Pool {
     std::function<void(int64_t, int64_t)> body = [&](int64_t b, int64_t e) { f(b, e); };
     // Close the counter (new epoch, claims refused) before the job's fields change: a worker still
     // holding the previous epoch's counter value then fails its claim instead of reading them.
-    const uint64_t ep = (counter_.load() >> 32) + 1;
+    const uint64_t ep = ((counter_.load() >> 32) + 1) & kClosed;  // 32 bits: wraps after 2^32 jobs
     counter_.store((ep << 32) | kClosed);
     body_.store(&body, std::memory_order_relaxed);
     begin_.store(begin, std::memory_order_relaxed);
@@ -137,9 +138,7 @@ class Pool {
   }
 
   bool set_enabled(bool on) {
-    const bool was = enabled_;
-    enabled_ = on;
-    return was;
+    return enabled_.exchange(on);
   }
 
   // (jobs run, jobs run alone after a late worker, late-worker events) since the start.
@@ -150,7 +149,7 @@ class Pool {
 
   Pool() {
     const char* v = std::getenv("TINYVLLM_CPU_POOL");
-    enabled_ = v && std::strcmp(v, "1") == 0;  // off by default: see the measurements above
+    enabled_.store(v && std::strcmp(v, "1") == 0);  // off by default: see the measurements above
   }
 
   // The caller ran out of chunks at t1 (it began at t0 and ran `own` of them) and then waited for
@@ -233,7 +232,7 @@ class Pool {
 
   static constexpr int64_t kSoloJobs = 2000;
 
-  bool enabled_ = true;
+  std::atomic<bool> enabled_{false};
   int64_t jobs_ = 0, solo_jobs_ = 0, late_events_ = 0, solo_left_ = 0;
   int64_t last_late_ = -1000000;  // under call_mu_
   std::mutex call_mu_, mu_, err_mu_;
