@@ -17,8 +17,8 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
 # c10's allocator aligns every allocation of >= 2 MiB to 2 MiB and madvise(MADV_HUGEPAGE)s it, which
 # matters where the kernel's THP mode is `madvise` (Debian's default) and would otherwise back the
 # ~160 MB of packed linears that every decode step streams with 4 KiB pages. Batch-1 decode step on
-# the 2-core Zen 4 machine, A/B pairs (docs/benchmarks.md, 2026-12-02): 0.69-1.0x (median of pairs
-# ~0.91x) quiet, 0.92-1.05x (~0.94x) beside a busy loop. Read by c10 once, at its first allocation,
+# the 2-core Zen 4 machine, A/B pairs (docs/benchmarks.md, 2026-12-02): 0.69-1.0x quiet, 0.92-1.05x
+# beside a busy loop, a median ~0.9x inside that machine's noise. Read by c10 once, at its first allocation,
 # so it is set here, before torch loads. A value set by the user wins (0 turns it off).
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -73,16 +73,15 @@ class Pool {
 
   template <typename F>
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
+    if (!enabled_.load(std::memory_order_relaxed)) {
+      at::parallel_for(begin, end, grain, f);
+      return;
+    }
     const int64_t n = end - begin;
     if (n <= 0) return;
     const int64_t nthreads = at::get_num_threads();
     grain = std::max<int64_t>(grain, 1);
-    const bool enabled = enabled_.load(std::memory_order_relaxed);
-    if (nthreads <= 1 || n <= grain || in_job_ || !enabled || at::in_parallel_region()) {
-      if (!enabled && !in_job_ && nthreads > 1 && n > grain) {
-        at::parallel_for(begin, end, grain, f);
-        return;
-      }
+    if (nthreads <= 1 || n <= grain || in_job_ || at::in_parallel_region()) {
       f(begin, end);
       return;
     }
@@ -91,14 +90,8 @@ class Pool {
     if (solo_left_ > 0) {  // a worker was found descheduled lately: run alone for a while
       --solo_left_;
       ++solo_jobs_;
-      in_job_ = true;
-      try {
-        f(begin, end);
-      } catch (...) {
-        in_job_ = false;
-        throw;
-      }
-      in_job_ = false;
+      InJob guard;
+      f(begin, end);
       return;
     }
     ensure_workers(nthreads - 1);
@@ -123,10 +116,11 @@ class Pool {
       epoch_.store(ep);
     }
     cv_.notify_all();
-    in_job_ = true;
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t own = work(ep);
-    in_job_ = false;
+    const int64_t own = [&] {
+      InJob guard;
+      return work(ep);  // catches the chunks' exceptions
+    }();
     std::chrono::steady_clock::time_point t1{};
     for (int spins = 0; done_.load(std::memory_order_acquire) < nchunks; ++spins) {
       if (spins == 0) t1 = std::chrono::steady_clock::now();
@@ -146,6 +140,12 @@ class Pool {
 
  private:
   static constexpr uint64_t kClosed = 0xFFFFFFFFull;
+
+  // Marks this thread as inside a job for its scope: a nested call runs serially.
+  struct InJob {
+    InJob() { in_job_ = true; }
+    ~InJob() { in_job_ = false; }
+  };
 
   Pool() {
     const char* v = std::getenv("TINYVLLM_CPU_POOL");
