@@ -24,13 +24,12 @@ Order of operations (the same as vLLM v1's ``Sampler``):
    probability is >= top_p, always keeping the most likely token); min-p (keep
    tokens with ``p >= min_p * p_max``); softmax; then draw.
 
-Drawing uses the exponential race (equivalently the Gumbel-max trick): with
-``q_i ~ Exp(1)`` independent, ``argmax_i(p_i / q_i)`` is distributed as ``p``.
-A row whose request has its own ``torch.Generator`` draws its ``V`` exponentials
-from that generator only, so it consumes exactly ``V`` draws per step whatever
-else is in the batch, and a seeded request gets the same tokens alone or in any
-batch.  Rows without a generator share one batched draw from torch's default
-generator.
+Drawing is by inversion (see :func:`random_sample`): one uniform per row against
+the row's cumulative probabilities. A row whose request has its own
+``torch.Generator`` draws its uniform from that generator only, so it consumes
+exactly one draw per step whatever else is in the batch, and a seeded request gets
+the same tokens alone or in any batch.  Rows without a generator share one batched
+draw from torch's default generator.
 
 Fast paths: an all-greedy batch is a bare argmax (no softmax, no sort);
 penalties are skipped when no row has one; top-k alone uses ``torch.topk``
@@ -352,26 +351,41 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row of ``probs`` ``[b, V]`` by the exponential race; returns ``[b]`` int64.
+    """Draw one token per row of ``probs`` ``[b, V]`` by inversion; returns ``[b]`` int64.
 
-    Row ``i`` with ``generators[i]`` set draws ``V`` exponentials from that generator
-    alone; the other rows share one batched draw from the default generator.
+    Inverse-transform sampling (Devroye 1986, "Non-Uniform Random Variate Generation",
+    sec. 2.1, the inversion method): with ``u ~ U[0, 1)`` one float64 per row, the token
+    is the first ``i`` whose cumulative probability ``C_i = p_0 + ... + p_i`` (float64) exceeds
+    ``u * C_{V-1}``. Tokens with ``p_i == 0`` are never drawn: ``C_i > u * C`` needs ``C_i >
+    C_{i-1}``, and a target that rounds up to the total falls back to the last token with mass.
+
+    Row ``i`` with ``generators[i]`` set draws its one uniform from that generator alone, so
+    it consumes one draw per step whatever else is in the batch; the other rows share one
+    batched draw from torch's default generator. Each row's cumulative sum is a sequential
+    pass over that row only, so a seeded row's token does not depend on the batch.
+
+    Cost at [16, 49152] on two Zen 4 cores: ~0.7 ms, against ~15 ms for the ``V`` exponentials
+    per row that the exponential race (``argmax p_i / q_i``, ``q_i ~ Exp(1)``) draws with
+    ``Tensor.exponential_``; that draw made a sampled decode step up to ~20 ms slower than a
+    greedy one.
     """
-    b, vocab_size = probs.shape
-    q = torch.empty_like(probs)
+    b, _ = probs.shape
+    u = torch.empty(b, 1, dtype=torch.float64, device=probs.device)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < b:
         if not seeded:
-            q.exponential_()
+            u.uniform_()
         else:
             unseeded = [i for i, g in enumerate(generators) if g is None]
             idx = torch.tensor(unseeded, device=probs.device)
-            q[idx] = torch.empty(len(unseeded), vocab_size, device=probs.device).exponential_()
+            u[idx] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=probs.device)
     for i in seeded:
-        q[i].exponential_(generator=generators[i])
-    # Exp(1) can round to 0; p/0 would be inf (or NaN for a masked p == 0).
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=1)
+        u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generators[i])
+    cdf = probs.to(torch.float64).cumsum(dim=1)  # [b, V]
+    total = cdf[:, -1:].contiguous()
+    picked = torch.searchsorted(cdf, u * total, right=True)  # first C_i > u * C
+    last_with_mass = torch.searchsorted(cdf, total, right=False)  # first C_i == C
+    return torch.minimum(picked, last_with_mass).squeeze(1)
 
 
 class Sampler:
