@@ -549,3 +549,26 @@ def test_metadata_build_flags_and_tensors() -> None:
     assert plain.max_num_logprobs is None
     with pytest.raises(ValueError):
         SamplingMetadata.build([SamplingParams()], [[]], [[], []], [None])
+
+
+@pytest.mark.parametrize("scale", [0.5, 2.0, 8.0])
+@pytest.mark.parametrize("quantum", [None, 0.5])
+def test_top_p_candidates_equal_full_sort(scale: float, quantum: float | None) -> None:
+    """The topk-candidate nucleus keeps exactly the tokens the full stable sort keeps.
+
+    Flat rows (scale 0.5: nucleus wider than the candidates, the sort fallback), peaked rows
+    (candidate path) and rounded logits (ties across the candidate boundary), with top-k mixed in.
+    """
+    from tinyvllm.sample.sampler import TOP_P_CANDIDATES, _top_p_by_sort, apply_top_k_only, apply_top_k_top_p
+    g = torch.Generator().manual_seed(int(scale * 10) + (quantum is not None))
+    x = torch.randn(12, 3 * TOP_P_CANDIDATES, generator=g) * scale
+    if quantum is not None:
+        x = (x / quantum).round() * quantum
+    top_p = torch.rand(12, generator=g).clamp(0.05, 1.0)
+    top_p[::4] = 1.0
+    for top_k in (None, torch.randint(0, 2 * TOP_P_CANDIDATES, (12,), generator=g)):
+        got = apply_top_k_top_p(x, top_k, top_p)
+        base = x if top_k is None else apply_top_k_only(x, top_k)
+        want = _top_p_by_sort(base, top_p)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        assert torch.equal(got[torch.isfinite(got)], base[torch.isfinite(got)])
