@@ -143,12 +143,13 @@ def main() -> None:
 
         # The sampled run draws other prompts (--seed 1): with seed 0's again, both servers' prefix
         # caches would serve them from the greedy run and the comparison would measure the cache.
-        for tag, sampling in (("heavy", ["--temperature", "0"]), ("heavy-t1", ["--seed", "1"])):
-            log(f"c16 heavy client (vllm bench serve, {'temperature 0' if tag == 'heavy' else 'default sampling'})")
+        keep = ("Successful", "Benchmark duration", "Output token throughput", "Median TTFT", "Median TPOT")
+        for tag, label, sampling in (("heavy", "temperature 0", ["--temperature", "0"]),
+                                     ("heavy-t1", "default sampling", ["--seed", "1"])):
+            log(f"c16 heavy client (vllm bench serve, {label})")
             c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
             heavy = heavy_client(a.vllm_python, url, a.model, tokenizer, sampling)
             Path(f"{stem}.{tag}.txt").write_text(heavy)
-            keep = ("Successful", "Benchmark duration", "Output token throughput", "Median TTFT", "Median TPOT")
             print("".join(line + "\n" for line in heavy.splitlines() if line.startswith(keep)) or heavy[-500:], end="")
             m = re.search(r"^Total generated tokens:\s+(\d+)", heavy, re.M)
             cpu_report(c0, group_processes(proc.pid), int(m.group(1)) if m else None)
