@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Per-linear timing of gemm_gguf (native GGUF blocks) vs gemm_bf16 (dequantized, packed).
+"""Per-linear timing of gemm_gguf (native GGUF blocks, bf16 activations), gemm_gguf_q8 (int8
+activations; not for Q6_K) and gemm_bf16 (dequantized, packed).
 
 1. Tensors of the embedded SmolLM2 GGUF (Q4_1, Q8_0), M = 1, 8, 64, 512 rows.
 2. ``--kquants``: random blocks (tinyvllm/benchmarks/random_gguf.py) of Llama-3.2-1B's linear shapes in
@@ -43,11 +44,14 @@ def run(label, qt, N, K, raw, Ms):
         i = [0]
         def fq():
             w = ws[i[0] % len(ws)]; i[0] += 1; k.gemm_gguf(x, w.qs, w.scales, w.fmt, N, K)
+        def f8():
+            w = ws[i[0] % len(ws)]; i[0] += 1; k.gemm_gguf_q8(x, w.qs, w.scales, w.fmt, N, K)
         def fb():
             p = ps[i[0] % len(ps)]; i[0] += 1; k.gemm_bf16(x, p, N, K, None)
         tq, tb = bench(fq), bench(fb)
-        print(f"{label:24s} {qt:5s} N {N:6d} K {K:5d} M {M:4d}  gguf us {tq:9.1f}  bf16 us {tb:9.1f}  "
-              f"gguf/bf16 {tq / tb:5.2f}  ({w0.nbytes * 8 / (N * K):.1f} bits/w)", flush=True)
+        t8 = bench(f8) if w0.fmt != 3 else float("nan")
+        print(f"{label:24s} {qt:5s} N {N:6d} K {K:5d} M {M:4d}  gguf us {tq:9.1f}  q8 us {t8:9.1f}  bf16 us {tb:9.1f}  "
+              f"gguf/bf16 {tq / tb:5.2f}  q8/bf16 {t8 / tb:5.2f}  ({w0.nbytes * 8 / (N * K):.1f} bits/w)", flush=True)
 
 
 if not args.kquants:

@@ -5,7 +5,8 @@
     NT=2 B=64 Q=1 CTX=384 .venv/bin/python benchmarks/profile_step.py    # decode, batch 64
     NT=2 B=1 Q=256 CTX=0 .venv/bin/python benchmarks/profile_step.py     # prefill, 256 tokens
 
-Env: NT threads, B sequences, Q new tokens each, CTX cached context before them, N timed steps.
+Env: NT threads, B sequences, Q new tokens each, CTX cached context before them, N timed steps,
+QUANT the --quantization (none, the default here; gguf: the native GGUF linears).
 Every call into the C++ kernels (and F.linear, for float32 or older code) is wrapped with a timer;
 "other" is the rest of the step (Python, embedding). K/V are random: timing only, not outputs.
 """
@@ -18,7 +19,8 @@ from tinyvllm.model.weights import load_model
 from tinyvllm.kernels import cpu as kernels_cpu
 from tinyvllm.attention.selector import get_attn_backend
 torch.set_num_threads(int(os.environ.get("NT","1")))
-m = load_model(resolve_model("SmolLM2-135M-Instruct").model_dir, torch.bfloat16)  # noqa: E402
+m = load_model(resolve_model("SmolLM2-135M-Instruct").model_dir, torch.bfloat16,  # noqa: E402
+               quantization=os.environ.get("QUANT", "none"))  # QUANT=gguf: the native GGUF linears
 cfg = m.config
 B = int(os.environ.get("B","1")); Q=int(os.environ.get("Q","1")); ctx = int(os.environ.get("CTX","256")); bs=16
 nb = (ctx+Q+bs)//bs + 1

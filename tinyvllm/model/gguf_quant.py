@@ -1,5 +1,8 @@
 """Native GGUF quantized weights (``--quantization gguf``): the linear layers keep their Q8_0 / Q4_0 /
-Q4_1 / Q4_K / Q6_K blocks and run on :func:`gemm_gguf` (``tinyvllm/kernels/cpu/cpu_gemm_gguf.cpp``).
+Q4_1 / Q4_K / Q6_K blocks and run on :func:`gemm_gguf` (bf16 activations) or, where the AVX512-VNNI
+kernel is built, Q8_0 / Q4_0 / Q4_1 / Q4_K on :func:`gemm_gguf_q8` (activations quantized to int8 per
+row and 32-block, llama.cpp's q8_0 / q8_1 scheme; :func:`int8_activations`)
+(``tinyvllm/kernels/cpu/cpu_gemm_gguf.cpp``).
 
 At load, each quantized linear tensor of the GGUF file is repacked once (numpy, vectorised) into the
 kernel's layout: groups of 16 output columns, per GGUF block of 32 k the integers in the VDPBF16PS
@@ -67,6 +70,31 @@ class UnsupportedQuantError(ValueError):
     """A GGUF tensor's type has no native kernel; the message names the tensor and the type."""
 
 
+_INT8_ACTS: dict[int, bool] = {}
+
+
+def int8_activations(kern: Any) -> bool:
+    """Whether the native Q8_0 / Q4_0 / Q4_1 / Q4_K linears quantize their activations to int8 per
+    row and 32-block (``gemm_gguf_q8``, llama.cpp's q8_0 / q8_1 scheme; VPDPBUSD on AVX512-VNNI) or
+    keep them bf16 (``gemm_gguf``). ``TINYVLLM_GGUF_ACTIVATIONS``: ``int8``, ``bf16``, or ``auto``
+    (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``;
+    elsewhere ``gemm_gguf_q8`` is only the scalar loop). Fixed per process, so a model's arithmetic,
+    and its greedy outputs, never change between steps.
+
+    Raises:
+        ValueError: another value of ``TINYVLLM_GGUF_ACTIVATIONS``.
+    """
+    key = id(kern)
+    if key not in _INT8_ACTS:
+        from tinyvllm import envs
+
+        mode = envs.TINYVLLM_GGUF_ACTIVATIONS
+        if mode not in ("auto", "int8", "bf16"):
+            raise ValueError(f"TINYVLLM_GGUF_ACTIVATIONS must be auto, int8 or bf16, not {mode!r}")
+        _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and kern.gemm_gguf_q8_isa() == "avx512_vnni")
+    return _INT8_ACTS[key]
+
+
 @dataclass
 class QuantWeight:
     """A repacked [N, K] GGUF weight for :func:`gemm_gguf`.
@@ -92,7 +120,10 @@ class QuantWeight:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * self.scales.element_size()
 
     def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[..., k] bf16 -> [..., n] bf16 with ``kern.gemm_gguf`` (batch invariant)."""
+        """[..., k] bf16 -> [..., n] bf16 with ``kern.gemm_gguf_q8`` (int8 activations, see
+        :func:`int8_activations`) or ``kern.gemm_gguf`` (batch invariant either way)."""
+        if self.fmt != FMT_Q6K and int8_activations(kern):
+            return kern.gemm_gguf_q8(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
         return kern.gemm_gguf(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
 
 

@@ -12,6 +12,10 @@
 //   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
 //   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests)
 //   std::string gemm_gguf_isa()        // "avx512_bf16", "avx2" (AVX2 + FMA + F16C) or "scalar"
+//   torch::Tensor gemm_gguf_q8(...)    // same arguments, fmt 0..2: int8 activations per 32-block
+//   torch::Tensor gemm_gguf_q8_ref(...) // its portable scalar loop
+//   std::string gemm_gguf_q8_isa()     // "avx512_vnni" (VPDPBUSD) or "scalar"
+//   (gemm_gguf_q8's arithmetic: the section "int8 activations" below.)
 //
 // Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per block b of
 // 32 k (nb = K/32; a K-quant super-block of 256 is 8 such blocks):
@@ -65,6 +69,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -828,14 +833,431 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
 }
 #endif
 
+// =============================================================================================
+// int8 activations (gemm_gguf_q8): Q8_0, Q4_0/Q4_1 and Q4_K weights against activations quantized
+// to int8 per row and 32-block, the scheme of llama.cpp's ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0
+// (its q8_1 / q8_0 activation blocks), on the same repacked weights as gemm_gguf. Arithmetic, for
+// each row m and block b (k = 32b .. 32b+31), then each output element (m, n):
+//     amax = max_k |x[m,k]|;  dx = amax / 127;  inv = dx > 0 ? 1 / dx : 0   (fp32, RNE)
+//     xq[m,k] = rne(x[m,k] * inv)                  // |xq| <= 127 (amax * inv <= 127 (1 + 2^-23))
+//     (amax not finite: dx = NaN, xq = 0, so the row's outputs are NaN, as in gemm_gguf)
+//     acc = 0
+//     for b in 0..nb-1:
+//       isum = sum_k xq[m,k] * q[n,k]             // int32, exact (|isum| <= 32 * 127 * 255)
+//       acc = fma(float(isum), d[n,b] * dx[m,b], acc)     // float(isum) exact (< 2^24)
+//       if Q4, Q4_K: acc = fma(xs[m,b], m[n,b], acc)     // xs[m,b] = dx[m,b] * float(sum_k xq[m,k])
+//     y = bf16_rne(acc (+ bias[n]))
+// The only rounding steps are per row (the quantization) and per block (the fold, in b order); the
+// integer sum has no order. So every row's result depends on nothing but that row and W, for any M
+// and tiling: batch invariant, and equal to the scalar gemm_gguf_q8_ref bit for bit. Against
+// gemm_gguf (bf16 activations) it is less exact (the int8 rounding of x, 2^-8 of a block's amax),
+// the trade llama.cpp makes. The block minimum's term takes the sum of the *quantized* block (llama.cpp's
+// q8_1 s), so the result is the exact dot product of the dequantized activations xq*dx with the exact
+// weights d*q + m: the error is sum_k e_k w_k (e_k = x_k - xq_k dx). With the exact sum of x instead
+// it would be d sum_k e_k q_k, and q = 0..15 is not centred (a Q4_1 block's m is about -8d), so that
+// error is several times larger: measured mean KL against float32 2.8e-2 that way, against
+// 2.4e-3 with bf16 activations (docs/benchmarks.md).
+//
+// Speed (AVX512-VNNI): VPDPBUSD multiplies 64 u8 weights by s8 activations into 16 int32 lanes, so
+// one instruction is 4 k x 16 columns, against VDPBF16PS's 2 k x 16 and the bf16 kernel's table
+// lookup per k-pair. A lane needs one column's 4 bytes; the repacked layout keeps a column's bytes
+// as one 16-bit word per 32-byte chunk (k-pair or nibble pair), so one VPERMW per 64 bytes
+// interleaves the words of two chunks (word 2c = c, word 2c+1 = 16 + c) and:
+//   Q8_0: rows kp = 2t, 2t+1 -> lane c = q[c][4t .. 4t+3] (t = 0..7), natural k order. The u8
+//     operand is q ^ 0x80 = q + 128, so isum = dpbusd - 128 * sum_k xq (per row and block, xc).
+//   Q4, Q4_K: chunks 2t, 2t+1 (t = 0..3) -> lane c's low nibbles = q[c] at k = 8t + {0, 1, 4, 5},
+//     high nibbles at 8t + {2, 3, 6, 7}; the quantized activations are stored in that order
+//     (position 8t + i holds k = 8t + kQ4Perm[i]; the permutation is its own inverse).
+constexpr int kQ4Perm[8] = {0, 1, 4, 5, 2, 3, 6, 7};
+
+// The activations of one call, quantized as above. xq: int8 [M, K] (Q4 formats: the nibble order);
+// dx: [M, nb]; xs: [M, nb] dx * sum(xq) (Q4 formats); xc: [M, nb] 128 * sum(xq) (Q8_0).
+struct ActQ8 {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xs;
+  std::vector<int32_t> xc;
+};
+
+// Block scale dx and the reciprocal used to quantize (the per-block scalar part of both paths).
+inline void q8_block_scale(float amax, bool finite, float* dx, float* inv) {
+  if (!finite) {
+    *dx = std::numeric_limits<float>::quiet_NaN();
+    *inv = 0.0f;
+    return;
+  }
+  *dx = amax / 127.0f;
+  *inv = *dx > 0.0f ? 1.0f / *dx : 0.0f;
+}
+
+inline int8_t q8_round(float v) { return static_cast<int8_t>(static_cast<int>(std::nearbyint(v))); }
+
+// Scalar quantization of row x (K values) into its xq/dx/xs/xc row slices (xs, xc: null if unused).
+void quantize_row_ref(const uint16_t* x, int64_t K, int fmt, int8_t* xq, float* dx, float* xs, int32_t* xc) {
+  const int64_t nb = K / kQBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* xb = x + b * 32;
+    float amax = 0.0f;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      const float a = std::fabs(bf16_to_f(xb[i]));
+      finite = finite && a <= std::numeric_limits<float>::max();
+      amax = a > amax ? a : amax;
+    }
+    float inv;
+    q8_block_scale(amax, finite, dx + b, &inv);
+    int32_t s = 0;
+    for (int k = 0; k < 32; ++k) {
+      const int8_t v = finite ? q8_round(bf16_to_f(xb[k]) * inv) : int8_t{0};
+      const int pos = fmt == 0 ? k : 8 * (k / 8) + kQ4Perm[k % 8];
+      xq[b * 32 + pos] = v;
+      s += v;
+    }
+    if (xc) xc[b] = 128 * s;
+    if (xs) xs[b] = dx[b] * static_cast<float>(s);
+  }
+}
+
+// xq[m, k] of block b at natural k (reference path).
+inline int xq_at(int fmt, const int8_t* xqr, int64_t b, int k) {
+  return xqr[b * 32 + (fmt == 0 ? k : 8 * (k / 8) + kQ4Perm[k % 8])];
+}
+
+void gemm_q8_ref(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
+                 uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
+  tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t g = n / kGroup;
+      const int c = static_cast<int>(n % kGroup);
+      const uint8_t* gq = qs + g * gq_stride;
+      const uint8_t* gs = sc + g * gs_stride;
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xqr = a.xq.data() + m * K;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; ++b) {
+          int32_t isum = 0;
+          for (int k = 0; k < 32; ++k) isum += xq_at(fmt, xqr, b, k) * q_at(fmt, gq, b, c, k);
+          const float s = scale_at(fmt, gs, b, 0, c) * a.dx[m * nb + b];
+          acc = std::fma(static_cast<float>(isum), s, acc);
+          if (fmt_min(fmt)) acc = std::fma(a.xs[m * nb + b], scale_at(fmt, gs, b, 1, c), acc);
+        }
+        if (bias) acc += bias[n];
+        out[m * N + n] = f_to_bf16(acc);
+      }
+    }
+  });
+}
+
+#if defined(TINYVLLM_QGEMM_AVX512) && defined(__AVX512VNNI__)
+#define TINYVLLM_QGEMM_VNNI 1
+
+// Vector quantization of row x: the same per-element operations as quantize_row_ref (fp32 multiply,
+// round to nearest even by VCVTPS2DQ under the default MXCSR), so the same bytes.
+void quantize_row_vnni(const uint16_t* x, int64_t K, int fmt, int8_t* xq, float* dx, float* xs, int32_t* xc) {
+  const int64_t nb = K / kQBlock;
+  alignas(64) int8_t tmp[32];
+  const __m512 fmax = _mm512_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint16_t* xb = x + b * 32;
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))), 16));
+    const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+    const bool finite = (_mm512_cmp_ps_mask(alo, fmax, _CMP_NLE_UQ) | _mm512_cmp_ps_mask(ahi, fmax, _CMP_NLE_UQ)) == 0;
+    const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)) : 0.0f;
+    float inv;
+    q8_block_scale(amax, finite, dx + b, &inv);
+    int32_t s = 0;
+    if (finite) {
+      const __m512 iv = _mm512_set1_ps(inv);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, iv));
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), _mm512_cvtepi32_epi8(qlo));
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp + 16), _mm512_cvtepi32_epi8(qhi));
+      s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    } else {
+      std::memset(tmp, 0, sizeof(tmp));
+    }
+    int8_t* o = xq + b * 32;
+    if (fmt == 0) {
+      std::memcpy(o, tmp, 32);
+    } else {
+      for (int g = 0; g < 4; ++g)
+        for (int i = 0; i < 8; ++i) o[8 * g + i] = tmp[8 * g + kQ4Perm[i]];
+    }
+    if (xc) xc[b] = 128 * s;
+    if (xs) xs[b] = dx[b] * static_cast<float>(s);
+  }
+}
+
+// Word 2c = c, word 2c+1 = 16 + c: lane c gets word c of both 32-byte halves.
+inline __m512i q8_pair_index() {
+  alignas(64) uint16_t t[32];
+  for (int c = 0; c < 16; ++c) { t[2 * c] = static_cast<uint16_t>(c); t[2 * c + 1] = static_cast<uint16_t>(16 + c); }
+  return _mm512_load_si512(t);
+}
+
+// u8 weight vectors 2t2 and 2t2+1 of block b (lane c: column c's 4 bytes; see the header above).
+template <int FMT>
+inline void q8_weights(const uint8_t* gq, int64_t b, int t2, __m512i idx, __m512i* w0, __m512i* w1) {
+  if constexpr (FMT == 0) {
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    const uint8_t* p = gq + b * 512 + t2 * 128;
+    *w0 = _mm512_xor_si512(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p)), sign);
+    *w1 = _mm512_xor_si512(_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p + 64)), sign);
+  } else {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(gq + b * 256 + t2 * 64));
+    *w0 = _mm512_and_si512(v, nib);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  }
+}
+
+// One block's fold of R x C int32 partials into acc (the header's per-block step).
+template <int R, int C, int FMT>
+inline void q8_fold(__m512i (&p)[R][C], __m512 (&acc)[R][C], const __m512* dv, const __m512* mv, const float* dx,
+                    const float* xs, const int32_t* xc, int64_t nb, int64_t b) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512 dxr = _mm512_set1_ps(dx[r * nb + b]);
+    __m512i corr = _mm512_setzero_si512();
+    if constexpr (FMT == 0) corr = _mm512_set1_epi32(xc[r * nb + b]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i pi = FMT == 0 ? _mm512_sub_epi32(p[r][c], corr) : p[r][c];
+      acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pi), _mm512_mul_ps(dv[c], dxr), acc[r][c]);
+      if constexpr (fmt_min(FMT)) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv[c], acc[r][c]);
+    }
+  }
+}
+
+template <int R, int C>
+inline void q8_store(__m512 (&acc)[R][C], uint16_t* out, int64_t ldo, int64_t ncols, const float* bias) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t valid = ncols - 16 * c;
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+    }
+  }
+}
+
+// R rows x C groups, weights decoded in registers (small M). xq rows are K bytes apart; dx/xs/xc
+// rows nb apart.
+template <int R, int C, int FMT>
+void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, const float* __restrict xs,
+            const int32_t* __restrict xc, int64_t nb, const uint8_t* const* gq, const uint8_t* const* gs,
+            uint16_t* __restrict out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
+  const __m512i idx = q8_pair_index();
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i p[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int t2 = 0; t2 < 4; ++t2) {
+      __m512i w0[C], w1[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) q8_weights<FMT>(gq[c], b, t2, idx, &w0[c], &w1[c]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int32_t* xd = reinterpret_cast<const int32_t*>(xq + r * K + b * 32) + 2 * t2;
+        const __m512i x0 = _mm512_set1_epi32(xd[0]), x1 = _mm512_set1_epi32(xd[1]);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          p[r][c] = _mm512_dpbusd_epi32(p[r][c], w0[c], x0);
+          p[r][c] = _mm512_dpbusd_epi32(p[r][c], w1[c], x1);
+        }
+      }
+    }
+    __m512 dv[C], mv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      dv[c] = load_scales<FMT>(gs[c], b, 0);
+      mv[c] = fmt_min(FMT) ? load_scales<FMT>(gs[c], b, 1) : _mm512_setzero_ps();
+    }
+    q8_fold<R, C, FMT>(p, acc, dv, mv, dx, xs, xc, nb, b);
+  }
+  q8_store<R, C>(acc, out, ldo, ncols, bias);
+}
+
+// Larger M: a panel of C groups converted once into u8 weight vectors ([nb][8][C][64 bytes]) and
+// fp32 scales ([nb][C][2][16]), swept by R-row tiles: the same integers and the same fold as
+// q8tile, so the same bits.
+template <int R, int C, int FMT>
+void q8tile_scratch(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, const float* __restrict xs,
+                    const int32_t* __restrict xc, int64_t nb, const uint8_t* __restrict sw, const float* __restrict sf,
+                    uint16_t* __restrict out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
+  __m512 acc[R][C];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i p[R][C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_si512();
+    const uint8_t* wb = sw + b * 8 * C * 64;
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      __m512i w[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(reinterpret_cast<const void*>(wb + (t * C + c) * 64));
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i xv = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xq + r * K + b * 32)[t]);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbusd_epi32(p[r][c], w[c], xv);
+      }
+    }
+    __m512 dv[C], mv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      dv[c] = _mm512_load_ps(sf + (b * C + c) * 32);
+      mv[c] = _mm512_load_ps(sf + (b * C + c) * 32 + 16);
+    }
+    q8_fold<R, C, FMT>(p, acc, dv, mv, dx, xs, xc, nb, b);
+  }
+  q8_store<R, C>(acc, out, ldo, ncols, bias);
+}
+
+template <int FMT>
+void q8_convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, int C, int64_t nb, uint8_t* sw,
+                      float* sf) {
+  const __m512i idx = q8_pair_index();
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* wb = sw + b * 8 * C * 64;
+    for (int i = 0; i < C; ++i) {
+      float* bs = sf + (b * C + i) * 32;
+      if (i >= c) {  // padding slot
+        for (int t = 0; t < 8; ++t) _mm512_store_si512(reinterpret_cast<void*>(wb + (t * C + i) * 64), _mm512_setzero_si512());
+        _mm512_store_ps(bs, _mm512_setzero_ps());
+        _mm512_store_ps(bs + 16, _mm512_setzero_ps());
+        continue;
+      }
+      _mm512_store_ps(bs, load_scales<FMT>(gs[i], b, 0));
+      _mm512_store_ps(bs + 16, fmt_min(FMT) ? load_scales<FMT>(gs[i], b, 1) : _mm512_setzero_ps());
+      for (int t2 = 0; t2 < 4; ++t2) {
+        __m512i w0, w1;
+        q8_weights<FMT>(gq[i], b, t2, idx, &w0, &w1);
+        _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * t2) * C + i) * 64), w0);
+        _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * t2 + 1) * C + i) * 64), w1);
+      }
+    }
+  }
+}
+
+using Q8TileFn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t,
+                          const uint8_t* const*, const uint8_t* const*, uint16_t*, int64_t, int64_t, const float*);
+using Q8TileSFn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t,
+                           const uint8_t*, const float*, uint16_t*, int64_t, int64_t, const float*);
+using Q8ConvFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, int64_t, uint8_t*, float*);
+
+constexpr int64_t kQ8SmallM = 2;  // up to this M: in-register tiles of all M rows x 4 groups
+constexpr int kQ8ScratchC = 3;    // larger M: scratch tiles of <= 4 rows x 3 groups
+
+template <int FMT>
+Q8TileFn q8_pick(int r, int c) {
+  static const Q8TileFn fns[2][4] = {{&q8tile<1, 1, FMT>, &q8tile<1, 2, FMT>, &q8tile<1, 3, FMT>, &q8tile<1, 4, FMT>},
+                                     {&q8tile<2, 1, FMT>, &q8tile<2, 2, FMT>, &q8tile<2, 3, FMT>, &q8tile<2, 4, FMT>}};
+  return fns[r - 1][c - 1];
+}
+
+template <int FMT>
+Q8TileSFn q8_pick_scratch(int r) {
+  static const Q8TileSFn fns[4] = {&q8tile_scratch<1, kQ8ScratchC, FMT>, &q8tile_scratch<2, kQ8ScratchC, FMT>,
+                                   &q8tile_scratch<3, kQ8ScratchC, FMT>, &q8tile_scratch<4, kQ8ScratchC, FMT>};
+  return fns[r - 1];
+}
+
+template <int FMT>
+void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int64_t N, int64_t K,
+                      uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  const int64_t G = ceil_div(N, kGroup);
+  const int64_t gq_stride = nb * qs_block_bytes(FMT), gs_stride = nb * sc_group_block_bytes(FMT);
+  const int8_t* xq = a.xq.data();
+  const float* dx = a.dx.data();
+  const float* xs = a.xs.empty() ? nullptr : a.xs.data();
+  const int32_t* xc = a.xc.empty() ? nullptr : a.xc.data();
+  const bool tiny = M * N * K < (int64_t{1} << 18);
+  if (M <= kQ8SmallM) {
+    auto body = [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1;) {
+        const int64_t c = std::min<int64_t>(4, u1 - u);
+        const uint8_t* gq[4];
+        const uint8_t* gs[4];
+        for (int64_t i = 0; i < c; ++i) { gq[i] = qs + (u + i) * gq_stride; gs[i] = sc + (u + i) * gs_stride; }
+        const int64_t n0 = u * kGroup;
+        q8_pick<FMT>(static_cast<int>(M), static_cast<int>(c))(xq, K, dx, xs, xc, nb, gq, gs, out + n0, N,
+                                                              std::min<int64_t>(c * kGroup, N - n0), bias ? bias + n0 : nullptr);
+        u += c;
+      }
+    };
+    if (tiny) body(0, G); else tv_pool::parallel_for(0, G, 1, body);
+    return;
+  }
+  const int64_t panels = ceil_div(G, kQ8ScratchC);
+  const int64_t mblocks = ceil_div(M, kMBlockRows);
+  const int64_t sw_bytes = nb * 8 * kQ8ScratchC * 64, sf_elems = nb * kQ8ScratchC * 32;
+  auto body = [&](int64_t i0, int64_t i1) {
+    uint8_t* sw = static_cast<uint8_t*>(std::aligned_alloc(64, sw_bytes));
+    float* sf = static_cast<float*>(std::aligned_alloc(64, sf_elems * 4));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t mb = i / panels, pn = i % panels;
+      const int64_t g0 = pn * kQ8ScratchC;
+      const int c = static_cast<int>(std::min<int64_t>(kQ8ScratchC, G - g0));
+      const uint8_t* gq[kQ8ScratchC];
+      const uint8_t* gs[kQ8ScratchC];
+      for (int j = 0; j < c; ++j) { gq[j] = qs + (g0 + j) * gq_stride; gs[j] = sc + (g0 + j) * gs_stride; }
+      q8_convert_panel<FMT>(gq, gs, c, kQ8ScratchC, nb, sw, sf);
+      const int64_t n0 = g0 * kGroup, ncols = std::min<int64_t>(c * kGroup, N - n0);
+      const int64_t mlo = mb * kMBlockRows, mhi = std::min<int64_t>(M, mlo + kMBlockRows);
+      const int64_t mtiles = ceil_div(mhi - mlo, kRows);
+      for (int64_t t = 0; t < mtiles; ++t) {
+        const int64_t r0 = mlo + t * (mhi - mlo) / mtiles, r1 = mlo + (t + 1) * (mhi - mlo) / mtiles;
+        q8_pick_scratch<FMT>(static_cast<int>(r1 - r0))(xq + r0 * K, K, dx + r0 * nb, xs ? xs + r0 * nb : nullptr,
+                                                      xc ? xc + r0 * nb : nullptr, nb, sw, sf, out + r0 * N + n0, N,
+                                                      ncols, bias ? bias + n0 : nullptr);
+      }
+    }
+    std::free(sw);
+    std::free(sf);
+  };
+  if (tiny) body(0, mblocks * panels); else tv_pool::parallel_for(0, mblocks * panels, 1, body);
+}
+
+void gemm_q8_vnni(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
+                  uint16_t* out, const float* bias) {
+  switch (fmt) {
+    case 0: gemm_q8_vnni_fmt<0>(a, M, qs, sc, N, K, out, bias); break;
+    case 1: gemm_q8_vnni_fmt<1>(a, M, qs, sc, N, K, out, bias); break;
+    default: gemm_q8_vnni_fmt<2>(a, M, qs, sc, N, K, out, bias); break;
+  }
+}
+#endif
+
 struct Prepared {
   torch::Tensor x2, out, xs, bias_f;
   int64_t M = 0, ldx = 0;
   std::vector<int64_t> out_shape;
 };
 
+// block_sums: also the fixed-order sums of each row's 32-blocks (gemm_gguf's Q4, Q4_K fold).
 Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& scales, int64_t fmt, int64_t N,
-                 int64_t K, const c10::optional<torch::Tensor>& bias) {
+                 int64_t K, const c10::optional<torch::Tensor>& bias, bool block_sums = true) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "gemm_gguf: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1), 2 (Q4_K) or 3 (Q6_K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "gemm_gguf: x must be a CPU bfloat16 tensor");
   TORCH_CHECK(K % kQBlock == 0 && x.dim() >= 1 && x.size(-1) == K, "gemm_gguf: x must be [..., K], K % 32 == 0");
@@ -859,7 +1281,7 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
     TORCH_CHECK(bias->numel() == N, "gemm_gguf: bias must have N elements");
     p.bias_f = bias->reshape({N}).to(at::kFloat).contiguous();
   }
-  if (fmt_min(static_cast<int>(fmt)) && p.M > 0) {
+  if (block_sums && fmt_min(static_cast<int>(fmt)) && p.M > 0) {
     p.xs = torch::empty({p.M, nb}, x.options().dtype(at::kFloat));
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
     float* xsp = p.xs.data_ptr<float>();
@@ -873,6 +1295,76 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
 }
 
 }  // namespace
+
+namespace {
+// gemm_gguf_q8's activations: quantized by the vector loop where it is built (same bytes as the
+// scalar loop), else by the scalar loop.
+ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, bool vec) {
+  const int64_t nb = K / kQBlock, M = p.M, ldx = p.ldx;
+  ActQ8 a;
+  a.xq.resize(static_cast<size_t>(M * K));
+  a.dx.resize(static_cast<size_t>(M * nb));
+  if (fmt == 0) a.xc.resize(static_cast<size_t>(M * nb));
+  if (fmt_min(fmt)) a.xs.resize(static_cast<size_t>(M * nb));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
+  tv_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      int8_t* xq = a.xq.data() + m * K;
+      float* dx = a.dx.data() + m * nb;
+      int32_t* xc = fmt == 0 ? a.xc.data() + m * nb : nullptr;
+      float* xs = fmt_min(fmt) ? a.xs.data() + m * nb : nullptr;
+#if defined(TINYVLLM_QGEMM_VNNI)
+      if (vec) { quantize_row_vnni(xp + m * ldx, K, fmt, xq, dx, xs, xc); continue; }
+#endif
+      (void)vec;
+      quantize_row_ref(xp + m * ldx, K, fmt, xq, dx, xs, xc);
+    }
+  });
+  return a;
+}
+
+torch::Tensor gemm_q8_impl(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias, bool ref) {
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "gemm_gguf_q8: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1) or 2 (Q4_K); Q6_K runs on gemm_gguf");
+  Prepared p = prepare(x, qs, scales, fmt, N, K, bias, /*block_sums=*/false);
+  if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
+  bool vec = !ref;
+#if !defined(TINYVLLM_QGEMM_VNNI)
+  vec = false;
+#endif
+  const ActQ8 a = quantize_acts(p, static_cast<int>(fmt), K, vec);
+  uint16_t* op = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
+  const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
+  const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
+#if defined(TINYVLLM_QGEMM_VNNI)
+  if (vec) {
+    gemm_q8_vnni(a, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+    return p.out.view(p.out_shape);
+  }
+#endif
+  gemm_q8_ref(a, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+  return p.out.view(p.out_shape);
+}
+}  // namespace
+
+torch::Tensor gemm_gguf_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias) {
+  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, false);
+}
+
+torch::Tensor gemm_gguf_q8_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
+                               int64_t K, c10::optional<torch::Tensor> bias) {
+  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, true);
+}
+
+std::string gemm_gguf_q8_isa() {
+#if defined(TINYVLLM_QGEMM_VNNI)
+  return "avx512_vnni";
+#else
+  return "scalar";
+#endif
+}
 
 torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias) {

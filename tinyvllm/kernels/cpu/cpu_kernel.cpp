@@ -1184,6 +1184,11 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
 torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
                             int64_t K, c10::optional<torch::Tensor> bias);
 std::string gemm_gguf_isa();
+torch::Tensor gemm_gguf_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
+                           c10::optional<torch::Tensor> bias);
+torch::Tensor gemm_gguf_q8_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
+                               int64_t K, c10::optional<torch::Tensor> bias);
+std::string gemm_gguf_q8_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   gemm_amx_bind(m);
@@ -1196,6 +1201,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
   m.def("gemm_gguf_isa", &gemm_gguf_isa,
         "which gemm_gguf kernel was built: avx512_bf16, avx2 (equal to gemm_gguf_ref bit for bit) or scalar");
+  m.def("gemm_gguf_q8", &gemm_gguf_q8,
+        "y = x @ W^T (+ bias) on repacked Q8_0/Q4_0/Q4_1/Q4_K blocks with int8 activations per 32-block "
+        "(cpu_gemm_gguf.cpp), batch invariant",
+        py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"),
+        py::arg("bias") = py::none());
+  m.def("gemm_gguf_q8_ref", &gemm_gguf_q8_ref, "the portable scalar loop of gemm_gguf_q8 (tests)", py::arg("x"),
+        py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
+  m.def("gemm_gguf_q8_isa", &gemm_gguf_q8_isa,
+        "which gemm_gguf_q8 kernel was built: avx512_vnni (equal to gemm_gguf_q8_ref bit for bit) or scalar");
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
         "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
