@@ -412,18 +412,25 @@ def _q8_emulate(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int, bi
 def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k):
     """gemm_gguf_q8 == the float64 value of its documented arithmetic (int8 activations per 32-block)
     to one bf16 rounding plus fp32 accumulation, and == the scalar loop bit for bit, at M = 1, 2 (the
-    in-register tiles), 3, 9, 63 (the scratch panels) with a padded last group (250 columns)."""
+    in-register tiles), 3, 9, 63, 300 (the scratch panels) with a padded last group (250 columns). Q8_0:
+    some weights are -128 (q ^ 0x80 = 0: the sign trick's edge)."""
     n = 250
     raw = random_blocks(np.random.default_rng(7), n, k, qtype, k ** -0.5)
+    if qtype == "Q8_0":  # q = -128 in the first 3 weights of every block of column 0
+        raw = raw.copy()
+        raw.reshape(n, -1, 34)[0, :, 2:5] = 0x80
     w = repack(raw, qtype, n, k, "t")
     g = torch.Generator().manual_seed(3)
-    for m in (1, 2, 3, 9, 63):
+    for m in (1, 2, 3, 9, 63, 300):  # 300: two M blocks of the scratch path
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(n, generator=g)
         y = kern.gemm_gguf_q8(x, w.qs, w.scales, w.fmt, n, k, bias)
         y64, mag = _q8_emulate(x, raw, qtype, n, k, bias)
         err = (y.double().numpy() - y64)
-        assert (np.abs(err) <= np.abs(y64) * 2.0 ** -8 + mag * 1e-6).all(), (qtype, m, np.abs(err).max())
+        # one bf16 rounding of the output, plus 2 nb + 1 fp32 roundings (two fmas per block, the bias)
+        nb = k // 32
+        tol = np.abs(y64) * 2.0 ** -8 + mag * (1 + 2.0 ** -8) * (2 * nb + 1) * 2.0 ** -24
+        assert (np.abs(err) <= tol).all(), (qtype, m, np.abs(err).max())
         assert torch.equal(kern.gemm_gguf_q8_ref(x, w.qs, w.scales, w.fmt, n, k, bias), y), (qtype, m)
 
 
@@ -431,7 +438,8 @@ def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k):
 def test_q8_quantizes_each_block_of_activations(kern, qtype):
     """Every weight 1 (Q4_1: q = 1, d = 1, m = 0; Q8_0: q = 1, d = 1): block 0 of x is (127, 0.4, 0...),
     so xq = (127, 0) and y = 127 exactly (bf16 activations would give 127.4 -> 127.5); block 1 is 0.
-    A non-finite activation makes its row NaN, as bf16 arithmetic would, instead of a finite guess."""
+    A non-finite activation makes its row NaN, as bf16 arithmetic would, instead of a finite guess; a
+    block too small to scale (amax 1e-38) adds 0."""
     n, k = 20, 64
     nb = k // 32
     one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
@@ -442,14 +450,18 @@ def test_q8_quantizes_each_block_of_activations(kern, qtype):
         raw = np.concatenate([np.tile(one, (n, nb, 1)), np.tile(zero, (n, nb, 1)),
                               np.full((n, nb, 16), 0x11, dtype=np.uint8)], axis=-1)
     w = repack(raw.reshape(n, -1), qtype, n, k, "t")
-    x = torch.zeros(3, k)
-    x[:, 0], x[:, 1] = 127.0, 0.4
+    x = torch.zeros(4, k)
+    x[:3, 0], x[:3, 1] = 127.0, 0.4
     x[2, 40] = float("inf")
+    x[3, :32] = 1e-38  # 1 / (amax / 127) overflows: the block is dropped (documented), not UB
+    x[3, 32] = 3.0
     x = x.to(torch.bfloat16)
     for f in (kern.gemm_gguf_q8, kern.gemm_gguf_q8_ref):
-        y = f(x, w.qs, w.scales, w.fmt, n, k)
-        assert (y[:2] == 127).all(), y
-        assert torch.isnan(y[2]).all(), y
+        y = f(x, w.qs, w.scales, w.fmt, n, k)  # M = 4: the scratch path
+        assert (y[:2] == 127).all() and torch.isnan(y[2]).all() and (y[3] == 3).all(), y
+        for i in range(4):  # M = 1: the in-register tiles give the same values (NaN where NaN)
+            one = f(x[i:i + 1], w.qs, w.scales, w.fmt, n, k).float()
+            assert torch.allclose(one, y[i:i + 1].float(), rtol=0, atol=0, equal_nan=True), i
     assert (kern.gemm_gguf(x[:2], w.qs, w.scales, w.fmt, n, k) == 127.5).all()  # the bf16-activation kernel
 
 
@@ -464,6 +476,8 @@ def test_q8_rows_are_batch_invariant(kern, qtype, n, k):
         for off in (0, 21 - m):
             part = kern.gemm_gguf_q8(big[off:off + m, :k].contiguous(), w.qs, w.scales, w.fmt, n, k)
             assert torch.equal(part, full[off:off + m]), (m, off)
+    for i in range(21):
+        assert torch.equal(kern.gemm_gguf_q8(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
 def test_q8_rejects_q6_k_and_bad_mode(kern, monkeypatch):

@@ -12,7 +12,7 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_API_KEY`` | unset | (read by the server, see its ``--api-key``) |
 | ``TINYVLLM_GRAMMAR_COMPILE_NICE`` | ``19`` | nice value of the grammar-compile thread (Linux; ``0`` = the engine's own priority): a compile then runs in the engine's idle time instead of taking a core from its parallel regions |
 | ``TINYVLLM_GRAMMAR_COMPILE_SCHED`` | ``normal`` | scheduling class of the grammar-compile thread (Linux): ``normal`` (the nice value alone) or ``idle`` (``SCHED_IDLE``: any engine thread that wakes takes its core back at once; measured no better than nice 19, docs/benchmarks.md) |
-| ``TINYVLLM_GGUF_ACTIVATIONS`` | ``auto`` | activations of the native GGUF linears (``--quantization gguf``): ``int8`` (quantized per row and 32-block, ``gemm_gguf_q8``: Q8_0 / Q4_0 / Q4_1 / Q4_K), ``bf16`` (``gemm_gguf``), or ``auto``: ``int8`` where the AVX512-VNNI kernel is built, else ``bf16``; Q6_K always ``bf16`` |
+| ``TINYVLLM_GGUF_ACTIVATIONS`` | ``auto`` | activations of the native GGUF linears (``--quantization gguf``): ``int8`` (quantized per row and 32-block, ``gemm_gguf_q8``: Q8_0 / Q4_0 / Q4_1 / Q4_K), ``bf16`` (``gemm_gguf``), or ``auto``: ``int8`` where its AVX512-BF16 + VNNI kernel is built (AMD Zen 4, Intel Sapphire Rapids), else ``bf16``; Q6_K always ``bf16`` |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts

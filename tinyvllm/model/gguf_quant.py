@@ -77,8 +77,9 @@ def int8_activations(kern: Any) -> bool:
     """Whether the native Q8_0 / Q4_0 / Q4_1 / Q4_K linears quantize their activations to int8 per
     row and 32-block (``gemm_gguf_q8``, llama.cpp's q8_0 / q8_1 scheme; VPDPBUSD on AVX512-VNNI) or
     keep them bf16 (``gemm_gguf``). ``TINYVLLM_GGUF_ACTIVATIONS``: ``int8``, ``bf16``, or ``auto``
-    (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``;
-    elsewhere ``gemm_gguf_q8`` is only the scalar loop). Fixed per process, so a model's arithmetic,
+    (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``: AVX512-BF16
+    and AVX512-VNNI, e.g. AMD Zen 4; elsewhere ``gemm_gguf_q8`` is only the scalar loop, and ``int8``
+    is logged as slow). Fixed per process, so a model's arithmetic,
     and its greedy outputs, never change between steps.
 
     Raises:
@@ -91,7 +92,11 @@ def int8_activations(kern: Any) -> bool:
         mode = envs.TINYVLLM_GGUF_ACTIVATIONS
         if mode not in ("auto", "int8", "bf16"):
             raise ValueError(f"TINYVLLM_GGUF_ACTIVATIONS must be auto, int8 or bf16, not {mode!r}")
-        _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and kern.gemm_gguf_q8_isa() == "avx512_vnni")
+        vnni = kern.gemm_gguf_q8_isa() == "avx512_vnni"
+        if mode == "int8" and not vnni:
+            logger.warning("TINYVLLM_GGUF_ACTIVATIONS=int8 without the AVX512-VNNI kernel: the native linears "
+                           "run gemm_gguf_q8's scalar loop (correct, many times slower)")
+        _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and vnni)
     return _INT8_ACTS[key]
 
 

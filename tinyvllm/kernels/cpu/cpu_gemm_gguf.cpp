@@ -840,7 +840,8 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
 // each row m and block b (k = 32b .. 32b+31), then each output element (m, n):
 //     amax = max_k |x[m,k]|;  dx = amax / 127;  inv = dx > 0 ? 1 / dx : 0   (fp32, RNE)
 //     xq[m,k] = rne(x[m,k] * inv)                  // |xq| <= 127 (amax * inv <= 127 (1 + 2^-23))
-//     (amax not finite: dx = NaN, xq = 0, so the row's outputs are NaN, as in gemm_gguf)
+//     (amax not finite: dx = NaN, xq = 0, so the row's outputs are NaN, as in gemm_gguf;
+//      amax so small (< ~3.7e-37) that 1 / dx overflows: dx = 0, xq = 0, the block adds 0)
 //     acc = 0
 //     for b in 0..nb-1:
 //       isum = sum_k xq[m,k] * q[n,k]             // int32, exact (|isum| <= 32 * 127 * 255)
@@ -855,8 +856,10 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
 // q8_1 s), so the result is the exact dot product of the dequantized activations xq*dx with the exact
 // weights d*q + m: the error is sum_k e_k w_k (e_k = x_k - xq_k dx). With the exact sum of x instead
 // it would be d sum_k e_k q_k, and q = 0..15 is not centred (a Q4_1 block's m is about -8d), so that
-// error is several times larger: measured mean KL against float32 2.8e-2 that way, against
-// 2.4e-3 with bf16 activations (docs/benchmarks.md).
+// error is several times larger: measured mean KL against float32 2.8e-2 that way, 5.5e-3 this way
+// (bf16 activations: 2.4e-3; docs/benchmarks.md).
+// Built where AVX512-BF16 (the section above: its helpers) and AVX512-VNNI both exist (AMD Zen 4,
+// Intel Sapphire Rapids and later); elsewhere gemm_gguf_q8 is the scalar loop.
 //
 // Speed (AVX512-VNNI): VPDPBUSD multiplies 64 u8 weights by s8 activations into 16 int32 lanes, so
 // one instruction is 4 k x 16 columns, against VDPBF16PS's 2 k x 16 and the bf16 kernel's table
@@ -887,6 +890,10 @@ inline void q8_block_scale(float amax, bool finite, float* dx, float* inv) {
   }
   *dx = amax / 127.0f;
   *inv = *dx > 0.0f ? 1.0f / *dx : 0.0f;
+  if (!(*inv <= std::numeric_limits<float>::max())) {  // amax < ~3.7e-37: 1/dx overflows; drop the block
+    *dx = 0.0f;
+    *inv = 0.0f;
+  }
 }
 
 inline int8_t q8_round(float v) { return static_cast<int8_t>(static_cast<int>(std::nearbyint(v))); }
@@ -1071,7 +1078,8 @@ void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, 
       for (int c = 0; c < C; ++c) q8_weights<FMT>(gq[c], b, t2, idx, &w0[c], &w1[c]);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const int32_t* xd = reinterpret_cast<const int32_t*>(xq + r * K + b * 32) + 2 * t2;
+        int32_t xd[2];
+        std::memcpy(xd, xq + r * K + b * 32 + 8 * t2, sizeof(xd));
         const __m512i x0 = _mm512_set1_epi32(xd[0]), x1 = _mm512_set1_epi32(xd[1]);
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
@@ -1117,7 +1125,9 @@ void q8tile_scratch(const int8_t* __restrict xq, int64_t K, const float* __restr
       for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(reinterpret_cast<const void*>(wb + (t * C + c) * 64));
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        const __m512i xv = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xq + r * K + b * 32)[t]);
+        int32_t xd;
+        std::memcpy(&xd, xq + r * K + b * 32 + 4 * t, sizeof(xd));
+        const __m512i xv = _mm512_set1_epi32(xd);
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbusd_epi32(p[r][c], w[c], xv);
       }
@@ -1174,6 +1184,8 @@ Q8TileFn q8_pick(int r, int c) {
                                      {&q8tile<2, 1, FMT>, &q8tile<2, 2, FMT>, &q8tile<2, 3, FMT>, &q8tile<2, 4, FMT>}};
   return fns[r - 1][c - 1];
 }
+
+static_assert(kRows <= 4, "q8_pick_scratch has tiles of 1..4 rows");
 
 template <int FMT>
 Q8TileSFn q8_pick_scratch(int r) {
