@@ -259,6 +259,23 @@ inline __m512i load_hi2(const uint8_t* gq, int64_t b, int j) {
   return (j & 1) ? _mm512_srli_epi16(h, 4) : h;
 }
 
+// acc[r][c] (+ bias) rounded to bf16 (RNE) into out rows r, columns 16c..16c+15 (masked past ncols).
+template <int R, int C>
+inline void store_tile(__m512 (&acc)[R][C], uint16_t* out, int64_t ldo, int64_t ncols, const float* bias) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t valid = ncols - 16 * c;
+    if (valid <= 0) break;
+    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+    }
+  }
+}
+
 // R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
 template <int R, int C, int FMT>
 void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
@@ -357,18 +374,7 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
       }
     }
   }
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
-    }
-  }
+  store_tile<R, C>(acc, out, ldo, ncols, bias);
 }
 
 using QTileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t* const*,
@@ -454,18 +460,7 @@ void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __res
       }
     }
   }
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
-    }
-  }
+  store_tile<R, C>(acc, out, ldo, ncols, bias);
 }
 
 // Convert groups gq[0..c-1] (all nb blocks) into the scratch layout of qtile_scratch (C slots).
@@ -1037,22 +1032,6 @@ inline void q8_fold(__m512i (&p)[R][C], __m512 (&acc)[R][C], const __m512* dv, c
   }
 }
 
-template <int R, int C>
-inline void q8_store(__m512 (&acc)[R][C], uint16_t* out, int64_t ldo, int64_t ncols, const float* bias) {
-#pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
-    }
-  }
-}
-
 // R rows x C groups, weights decoded in registers (small M). xq rows are K bytes apart; dx/xs/xc
 // rows nb apart.
 template <int R, int C, int FMT>
@@ -1096,7 +1075,7 @@ void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, 
     }
     q8_fold<R, C, FMT>(p, acc, dv, mv, dx, xs, xc, nb, b);
   }
-  q8_store<R, C>(acc, out, ldo, ncols, bias);
+  store_tile<R, C>(acc, out, ldo, ncols, bias);
 }
 
 // Larger M: a panel of C groups converted once into u8 weight vectors ([nb][8][C][64 bytes]) and
@@ -1140,7 +1119,7 @@ void q8tile_scratch(const int8_t* __restrict xq, int64_t K, const float* __restr
     }
     q8_fold<R, C, FMT>(p, acc, dv, mv, dx, xs, xc, nb, b);
   }
-  q8_store<R, C>(acc, out, ldo, ncols, bias);
+  store_tile<R, C>(acc, out, ldo, ncols, bias);
 }
 
 template <int FMT>
