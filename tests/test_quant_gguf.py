@@ -345,6 +345,21 @@ def test_random_q4_k_m_gguf_native_matches_float32(kern, tmp_path, monkeypatch):
         assert all(torch.equal(p.qs, r.qs) and torch.equal(p.scales, r.scales) for p, r in zip(got, want))
 
 
+def _all_ones_weight(qtype: str, n: int, k: int):
+    """A repacked [n, k] Q8_0 (q = 1, d = 1) or Q4_1 (q = 1, d = 1, m = 0) weight: every value 1."""
+    nb = k // 32
+    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    if qtype == "Q8_0":
+        raw = np.concatenate([np.tile(one, (n, nb, 1)), np.ones((n, nb, 32), dtype=np.uint8)], axis=-1)
+    else:
+        zero = np.frombuffer(np.float16(0.0).tobytes(), dtype=np.uint8)
+        raw = np.concatenate([np.tile(one, (n, nb, 1)), np.tile(zero, (n, nb, 1)),
+                              np.full((n, nb, 16), 0x11, dtype=np.uint8)], axis=-1)
+    raw = raw.reshape(n, -1)
+    assert (gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]) == 1).all()
+    return repack(raw, qtype, n, k, "t")
+
+
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_kernel_sums_each_block_in_the_reference_order(kern, qtype):
     """Order-sensitive input: every weight is 1 (d = 1, m = 0), and row x = (0, 2^30, 1, -2^30, 0...).
@@ -352,17 +367,7 @@ def test_kernel_sums_each_block_in_the_reference_order(kern, qtype):
     first, or the pairs in another order, loses the 1 in 2^30 (half an fp32 ulp there is 64) and gives
     0. Random inputs cannot see this: their sums almost never round differently by order."""
     n, k = 20, 64
-    nb = k // 32
-    d = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
-    if qtype == "Q8_0":
-        raw = np.concatenate([np.tile(d, (n, nb, 1)), np.ones((n, nb, 32), dtype=np.uint8)], axis=-1)
-    else:
-        m = np.frombuffer(np.float16(0.0).tobytes(), dtype=np.uint8)
-        raw = np.concatenate([np.tile(d, (n, nb, 1)), np.tile(m, (n, nb, 1)),
-                              np.full((n, nb, 16), 0x11, dtype=np.uint8)], axis=-1)
-    raw = raw.reshape(n, -1)
-    assert (gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]) == 1).all()
-    w = repack(raw, qtype, n, k, "t")
+    w = _all_ones_weight(qtype, n, k)
     x = torch.zeros(3, k)
     x[:, 1], x[:, 2], x[:, 3] = 2.0 ** 30, 1.0, -2.0 ** 30
     x = x.to(torch.bfloat16)
@@ -441,15 +446,7 @@ def test_q8_quantizes_each_block_of_activations(kern, qtype):
     A non-finite activation makes its row NaN, as bf16 arithmetic would, instead of a finite guess; a
     block too small to scale (amax 1e-38) adds 0."""
     n, k = 20, 64
-    nb = k // 32
-    one = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
-    if qtype == "Q8_0":
-        raw = np.concatenate([np.tile(one, (n, nb, 1)), np.ones((n, nb, 32), dtype=np.uint8)], axis=-1)
-    else:
-        zero = np.frombuffer(np.float16(0.0).tobytes(), dtype=np.uint8)
-        raw = np.concatenate([np.tile(one, (n, nb, 1)), np.tile(zero, (n, nb, 1)),
-                              np.full((n, nb, 16), 0x11, dtype=np.uint8)], axis=-1)
-    w = repack(raw.reshape(n, -1), qtype, n, k, "t")
+    w = _all_ones_weight(qtype, n, k)
     x = torch.zeros(4, k)
     x[:3, 0], x[:3, 1] = 127.0, 0.4
     x[2, 40] = float("inf")
