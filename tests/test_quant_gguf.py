@@ -99,21 +99,27 @@ def test_kquant_kernel_equals_scalar_loop_at_larger_m(kern, qtype, m):
                        kern.gemm_gguf_ref(x, w.qs, w.scales, w.fmt, n, k, bias))
 
 
-@pytest.mark.parametrize("qtype,n,k", [("Q8_0", 80, 128), ("Q4_1", 80, 128), ("Q4_K", 512, 1024), ("Q6_K", 512, 1024)])
-def test_rows_are_batch_invariant(kern, qtype, n, k):
+_INVARIANCE_SHAPES = [("Q8_0", 80, 128), ("Q4_1", 80, 128), ("Q4_K", 512, 1024), ("Q6_K", 512, 1024)]
+
+
+@pytest.mark.parametrize("fn,qtype,n,k", [("gemm_gguf", *s) for s in _INVARIANCE_SHAPES]
+                         + [("gemm_gguf_q8", *s) for s in _INVARIANCE_SHAPES if s[0] != "Q6_K"])
+def test_rows_are_batch_invariant(kern, fn, qtype, n, k):
     """Every M = 1..20 at two row offsets, and each row alone, equals those rows of one M = 21 call
-    (the in-register M <= 2 tiles vs the scratch path). The K-quant shapes are large enough that one
-    changed fp32 rounding per fold in one path shows through the bf16 outputs (tried: 4 rows differ)."""
+    (the in-register M <= 2 tiles vs the scratch path), for both arithmetics (bf16 and int8
+    activations). The K-quant shapes are large enough that one changed fp32 rounding per fold in one
+    path shows through the bf16 outputs (tried: 4 rows differ)."""
+    gemm = getattr(kern, fn)
     w, _ = _weight(qtype, n, k, seed=2)
     g = torch.Generator().manual_seed(1)
     big = torch.randn(21, k + 32, generator=g).to(torch.bfloat16)
-    full = kern.gemm_gguf(big[:, :k], w.qs, w.scales, w.fmt, n, k)  # strided rows
+    full = gemm(big[:, :k], w.qs, w.scales, w.fmt, n, k)  # strided rows
     for m in range(1, 21):
         for off in (0, 21 - m):
-            part = kern.gemm_gguf(big[off:off + m, :k].contiguous(), w.qs, w.scales, w.fmt, n, k)
+            part = gemm(big[off:off + m, :k].contiguous(), w.qs, w.scales, w.fmt, n, k)
             assert torch.equal(part, full[off:off + m]), (m, off)
     for i in range(21):
-        assert torch.equal(kern.gemm_gguf(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
+        assert torch.equal(gemm(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
 def test_unsupported_type_is_named():
@@ -460,21 +466,6 @@ def test_q8_quantizes_each_block_of_activations(kern, qtype):
             one = f(x[i:i + 1], w.qs, w.scales, w.fmt, n, k).float()
             assert torch.allclose(one, y[i:i + 1].float(), rtol=0, atol=0, equal_nan=True), i
     assert (kern.gemm_gguf(x[:2], w.qs, w.scales, w.fmt, n, k) == 127.5).all()  # the bf16-activation kernel
-
-
-@pytest.mark.parametrize("qtype,n,k", [("Q8_0", 80, 128), ("Q4_1", 80, 128), ("Q4_K", 512, 1024)])
-def test_q8_rows_are_batch_invariant(kern, qtype, n, k):
-    """Every M = 1..20 at two row offsets, and each row alone, equals those rows of one M = 21 call
-    (strided rows), through the in-register tiles (M <= 2) and the scratch panels."""
-    w, _ = _weight(qtype, n, k, seed=2)
-    big = torch.randn(21, k + 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    full = kern.gemm_gguf_q8(big[:, :k], w.qs, w.scales, w.fmt, n, k)
-    for m in range(1, 21):
-        for off in (0, 21 - m):
-            part = kern.gemm_gguf_q8(big[off:off + m, :k].contiguous(), w.qs, w.scales, w.fmt, n, k)
-            assert torch.equal(part, full[off:off + m]), (m, off)
-    for i in range(21):
-        assert torch.equal(kern.gemm_gguf_q8(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
 def test_q8_rejects_q6_k_and_bad_mode(kern, monkeypatch):
