@@ -538,14 +538,20 @@ constexpr int64_t kRows = 4;          // larger M: scratch tiles of <= 4 rows x 
 constexpr int kScratchC = 3;
 constexpr int64_t kMBlockRows = 256;  // larger M: M blocks (Goto "mc") swept over each converted panel
 
-void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs,
-                 const uint8_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+// The work division both AVX-512 arithmetics share (threads over column groups; per element the
+// arithmetic does not depend on it). M <= small_m: items of up to 4 groups, each one call
+// small(gq, gs, c, n0, ncols). Larger M: items (M block of kMBlockRows, panel of kScratchC groups),
+// M block outer: convert(gq, gs, c, scratch) once per item into a 64-byte aligned buffer of
+// scratch_bytes, then tile(r0, r1, n0, ncols, scratch) per near-equal tile of <= kRows rows
+// (e.g. 5 rows -> 3 + 2).
+template <typename Small, typename Convert, typename Tile>
+void for_each_tile(int64_t M, int64_t N, int64_t K, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t small_m,
+                   int64_t scratch_bytes, const Small& small, const Convert& convert, const Tile& tile) {
   const int64_t nb = K / kQBlock;
   const int64_t G = ceil_div(N, kGroup);
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
-  const __m512i table = nibble_table();
   const bool tiny = M * N * K < (int64_t{1} << 18);
-  if (M <= kSmallM) {
+  if (M <= small_m) {
     auto body = [&](int64_t u0, int64_t u1) {
       for (int64_t u = u0; u < u1;) {
         const int64_t c = std::min<int64_t>(4, u1 - u);
@@ -553,22 +559,17 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
         const uint8_t* gs[4];
         for (int64_t i = 0; i < c; ++i) { gq[i] = qs + (u + i) * gq_stride; gs[i] = sc + (u + i) * gs_stride; }
         const int64_t n0 = u * kGroup;
-        QTileFn fn = pick_fmt(fmt, static_cast<int>(M), static_cast<int>(c));
-        fn(x, ldx, xs, nb, gq, gs, out + n0, N, std::min<int64_t>(c * kGroup, N - n0), bias ? bias + n0 : nullptr, table);
+        small(gq, gs, static_cast<int>(c), n0, std::min<int64_t>(c * kGroup, N - n0));
         u += c;
       }
     };
     if (tiny) body(0, G); else tv_pool::parallel_for(0, G, 1, body);
     return;
   }
-  // Items (M block, panel of kScratchC groups), M block outer: a thread's range converts a panel,
-  // sweeps the M block's row tiles over it, and moves to the next panel.
   const int64_t panels = ceil_div(G, kScratchC);
   const int64_t mblocks = ceil_div(M, kMBlockRows);
-  const int64_t sw_elems = nb * 16 * kScratchC * 32, sf_elems = nb * kScratchC * 32;
   auto body = [&](int64_t i0, int64_t i1) {
-    uint16_t* sw = static_cast<uint16_t*>(std::aligned_alloc(64, sw_elems * 2));
-    float* sf = static_cast<float*>(std::aligned_alloc(64, sf_elems * 4));
+    uint8_t* scratch = static_cast<uint8_t*>(std::aligned_alloc(64, scratch_bytes));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t mb = i / panels, pn = i % panels;
       const int64_t g0 = pn * kScratchC;
@@ -576,21 +577,39 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
       const uint8_t* gq[kScratchC];
       const uint8_t* gs[kScratchC];
       for (int j = 0; j < c; ++j) { gq[j] = qs + (g0 + j) * gq_stride; gs[j] = sc + (g0 + j) * gs_stride; }
-      convert_panel_fmt(fmt, gq, gs, c, kScratchC, nb, sw, sf, table);
+      convert(gq, gs, c, scratch);
       const int64_t n0 = g0 * kGroup, ncols = std::min<int64_t>(c * kGroup, N - n0);
       const int64_t mlo = mb * kMBlockRows, mhi = std::min<int64_t>(M, mlo + kMBlockRows);
       const int64_t mtiles = ceil_div(mhi - mlo, kRows);
-      for (int64_t t = 0; t < mtiles; ++t) {  // near-equal tiles (e.g. 5 rows -> 3 + 2)
-        const int64_t a = mlo + t * (mhi - mlo) / mtiles, e = mlo + (t + 1) * (mhi - mlo) / mtiles;
-        QTileSFn fn = pick_scratch_fmt(fmt, static_cast<int>(e - a));
-        fn(x + a * ldx, ldx, xs ? xs + a * nb : nullptr, nb, sw, sf, out + a * N + n0, N, ncols,
-           bias ? bias + n0 : nullptr);
-      }
+      for (int64_t t = 0; t < mtiles; ++t)
+        tile(mlo + t * (mhi - mlo) / mtiles, mlo + (t + 1) * (mhi - mlo) / mtiles, n0, ncols, scratch);
     }
-    std::free(sw);
-    std::free(sf);
+    std::free(scratch);
   };
   if (tiny) body(0, mblocks * panels); else tv_pool::parallel_for(0, mblocks * panels, 1, body);
+}
+
+void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs,
+                 const uint8_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  const __m512i table = nibble_table();
+  // scratch: the panel's bf16 words [nb][16 k-pairs][C][32], then its fp32 scales [nb][C][2][16]
+  const int64_t sw_bytes = nb * 16 * kScratchC * 32 * 2, sf_bytes = nb * kScratchC * 32 * 4;
+  for_each_tile(
+      M, N, K, qs, sc, fmt, kSmallM, sw_bytes + sf_bytes,
+      [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, int64_t n0, int64_t ncols) {
+        pick_fmt(fmt, static_cast<int>(M), c)(x, ldx, xs, nb, gq, gs, out + n0, N, ncols, bias ? bias + n0 : nullptr,
+                                              table);
+      },
+      [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, uint8_t* scratch) {
+        convert_panel_fmt(fmt, gq, gs, c, kScratchC, nb, reinterpret_cast<uint16_t*>(scratch),
+                          reinterpret_cast<float*>(scratch + sw_bytes), table);
+      },
+      [&](int64_t r0, int64_t r1, int64_t n0, int64_t ncols, uint8_t* scratch) {
+        pick_scratch_fmt(fmt, static_cast<int>(r1 - r0))(
+            x + r0 * ldx, ldx, xs ? xs + r0 * nb : nullptr, nb, reinterpret_cast<const uint16_t*>(scratch),
+            reinterpret_cast<const float*>(scratch + sw_bytes), out + r0 * N + n0, N, ncols, bias ? bias + n0 : nullptr);
+      });
 }
 
 #endif
@@ -1154,8 +1173,6 @@ using Q8TileSFn = void (*)(const int8_t*, int64_t, const float*, const float*, c
                            const uint8_t*, const float*, uint16_t*, int64_t, int64_t, const float*);
 using Q8ConvFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, int64_t, uint8_t*, float*);
 
-constexpr int64_t kQ8SmallM = 2;  // up to this M: in-register tiles of all M rows x 4 groups
-constexpr int kQ8ScratchC = 3;    // larger M: scratch tiles of <= 4 rows x 3 groups
 
 template <int FMT>
 Q8TileFn q8_pick(int r, int c) {
@@ -1168,8 +1185,8 @@ static_assert(kRows <= 4, "q8_pick_scratch has tiles of 1..4 rows");
 
 template <int FMT>
 Q8TileSFn q8_pick_scratch(int r) {
-  static const Q8TileSFn fns[4] = {&q8tile_scratch<1, kQ8ScratchC, FMT>, &q8tile_scratch<2, kQ8ScratchC, FMT>,
-                                   &q8tile_scratch<3, kQ8ScratchC, FMT>, &q8tile_scratch<4, kQ8ScratchC, FMT>};
+  static const Q8TileSFn fns[4] = {&q8tile_scratch<1, kScratchC, FMT>, &q8tile_scratch<2, kScratchC, FMT>,
+                                   &q8tile_scratch<3, kScratchC, FMT>, &q8tile_scratch<4, kScratchC, FMT>};
   return fns[r - 1];
 }
 
@@ -1177,57 +1194,26 @@ template <int FMT>
 void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int64_t N, int64_t K,
                       uint16_t* out, const float* bias) {
   const int64_t nb = K / kQBlock;
-  const int64_t G = ceil_div(N, kGroup);
-  const int64_t gq_stride = nb * qs_block_bytes(FMT), gs_stride = nb * sc_group_block_bytes(FMT);
   const int8_t* xq = a.xq.data();
   const float* dx = a.dx.data();
   const float* xs = a.xs.empty() ? nullptr : a.xs.data();
   const int32_t* xc = a.xc.empty() ? nullptr : a.xc.data();
-  const bool tiny = M * N * K < (int64_t{1} << 18);
-  if (M <= kQ8SmallM) {
-    auto body = [&](int64_t u0, int64_t u1) {
-      for (int64_t u = u0; u < u1;) {
-        const int64_t c = std::min<int64_t>(4, u1 - u);
-        const uint8_t* gq[4];
-        const uint8_t* gs[4];
-        for (int64_t i = 0; i < c; ++i) { gq[i] = qs + (u + i) * gq_stride; gs[i] = sc + (u + i) * gs_stride; }
-        const int64_t n0 = u * kGroup;
-        q8_pick<FMT>(static_cast<int>(M), static_cast<int>(c))(xq, K, dx, xs, xc, nb, gq, gs, out + n0, N,
-                                                              std::min<int64_t>(c * kGroup, N - n0), bias ? bias + n0 : nullptr);
-        u += c;
-      }
-    };
-    if (tiny) body(0, G); else tv_pool::parallel_for(0, G, 1, body);
-    return;
-  }
-  const int64_t panels = ceil_div(G, kQ8ScratchC);
-  const int64_t mblocks = ceil_div(M, kMBlockRows);
-  const int64_t sw_bytes = nb * 8 * kQ8ScratchC * 64, sf_elems = nb * kQ8ScratchC * 32;
-  auto body = [&](int64_t i0, int64_t i1) {
-    uint8_t* sw = static_cast<uint8_t*>(std::aligned_alloc(64, sw_bytes));
-    float* sf = static_cast<float*>(std::aligned_alloc(64, sf_elems * 4));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t mb = i / panels, pn = i % panels;
-      const int64_t g0 = pn * kQ8ScratchC;
-      const int c = static_cast<int>(std::min<int64_t>(kQ8ScratchC, G - g0));
-      const uint8_t* gq[kQ8ScratchC];
-      const uint8_t* gs[kQ8ScratchC];
-      for (int j = 0; j < c; ++j) { gq[j] = qs + (g0 + j) * gq_stride; gs[j] = sc + (g0 + j) * gs_stride; }
-      q8_convert_panel<FMT>(gq, gs, c, kQ8ScratchC, nb, sw, sf);
-      const int64_t n0 = g0 * kGroup, ncols = std::min<int64_t>(c * kGroup, N - n0);
-      const int64_t mlo = mb * kMBlockRows, mhi = std::min<int64_t>(M, mlo + kMBlockRows);
-      const int64_t mtiles = ceil_div(mhi - mlo, kRows);
-      for (int64_t t = 0; t < mtiles; ++t) {
-        const int64_t r0 = mlo + t * (mhi - mlo) / mtiles, r1 = mlo + (t + 1) * (mhi - mlo) / mtiles;
-        q8_pick_scratch<FMT>(static_cast<int>(r1 - r0))(xq + r0 * K, K, dx + r0 * nb, xs ? xs + r0 * nb : nullptr,
-                                                      xc ? xc + r0 * nb : nullptr, nb, sw, sf, out + r0 * N + n0, N,
-                                                      ncols, bias ? bias + n0 : nullptr);
-      }
-    }
-    std::free(sw);
-    std::free(sf);
-  };
-  if (tiny) body(0, mblocks * panels); else tv_pool::parallel_for(0, mblocks * panels, 1, body);
+  // scratch: the panel's u8 weight vectors [nb][8][C][64 bytes], then its fp32 scales [nb][C][2][16]
+  const int64_t sw_bytes = nb * 8 * kScratchC * 64, sf_bytes = nb * kScratchC * 32 * 4;
+  for_each_tile(
+      M, N, K, qs, sc, FMT, kSmallM, sw_bytes + sf_bytes,
+      [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, int64_t n0, int64_t ncols) {
+        q8_pick<FMT>(static_cast<int>(M), c)(xq, K, dx, xs, xc, nb, gq, gs, out + n0, N, ncols,
+                                            bias ? bias + n0 : nullptr);
+      },
+      [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, uint8_t* scratch) {
+        q8_convert_panel<FMT>(gq, gs, c, kScratchC, nb, scratch, reinterpret_cast<float*>(scratch + sw_bytes));
+      },
+      [&](int64_t r0, int64_t r1, int64_t n0, int64_t ncols, uint8_t* scratch) {
+        q8_pick_scratch<FMT>(static_cast<int>(r1 - r0))(
+            xq + r0 * K, K, dx + r0 * nb, xs ? xs + r0 * nb : nullptr, xc ? xc + r0 * nb : nullptr, nb, scratch,
+            reinterpret_cast<const float*>(scratch + sw_bytes), out + r0 * N + n0, N, ncols, bias ? bias + n0 : nullptr);
+      });
 }
 
 void gemm_q8_vnni(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
