@@ -93,12 +93,13 @@ def light_client(url: str, model: str, out: Path) -> dict:
     return {"requests_done": done, "output_tokens": tokens, "elapsed_s": elapsed, "output_tok_s": tokens / elapsed}
 
 
-def heavy_client(vllm_python: str, url: str, model: str, tokenizer, sampling: list[str]) -> str:
-    """``vllm bench serve`` at concurrency 16 (64 x 256 random in / 128 out, ignore_eos); its report text."""
+def heavy_client(vllm_python: str, url: str, model: str, tokenizer, seed: int, sampling: list[str]) -> str:
+    """``vllm bench serve`` at concurrency 16 (64 x 256 random in / 128 out, ignore_eos, prompts drawn
+    by ``seed``), ``sampling`` its extra flags; its report text."""
     return subprocess.run([vllm_python, str(ROOT / "benchmarks" / "vllm_cli_shim.py"), "bench", "serve",
                            "--backend", "vllm", "--base-url", url, "--model", model, "--tokenizer", str(tokenizer),
                            "--dataset-name", "random", "--random-input-len", "256", "--random-output-len", "128",
-                           "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", "0", *sampling],
+                           "--num-prompts", "64", "--max-concurrency", "16", "--ignore-eos", "--seed", str(seed), *sampling],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
 
 
@@ -144,11 +145,11 @@ def main() -> None:
         # The sampled run draws other prompts (--seed 1): with seed 0's again, both servers' prefix
         # caches would serve them from the greedy run and the comparison would measure the cache.
         keep = ("Successful", "Benchmark duration", "Output token throughput", "Median TTFT", "Median TPOT")
-        for tag, label, sampling in (("heavy", "temperature 0", ["--temperature", "0"]),
-                                     ("heavy-t1", "default sampling", ["--seed", "1"])):
+        for tag, label, seed, sampling in (("heavy", "temperature 0", 0, ["--temperature", "0"]),
+                                           ("heavy-t1", "default sampling", 1, [])):
             log(f"c16 heavy client (vllm bench serve, {label})")
             c0, k0, w0 = group_processes(proc.pid), client_cpu_s(), time.perf_counter()
-            heavy = heavy_client(a.vllm_python, url, a.model, tokenizer, sampling)
+            heavy = heavy_client(a.vllm_python, url, a.model, tokenizer, seed, sampling)
             Path(f"{stem}.{tag}.txt").write_text(heavy)
             print("".join(line + "\n" for line in heavy.splitlines() if line.startswith(keep)) or heavy[-500:], end="")
             m = re.search(r"^Total generated tokens:\s+(\d+)", heavy, re.M)
