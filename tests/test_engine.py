@@ -150,3 +150,38 @@ def test_idle_step_drops_finished_requests_in_the_worker(smol_llm):
     assert not core.has_unfinished_requests()
     core.step()  # idle: schedules nothing, but carries the last finishes
     assert core.runner.requests == {}
+
+
+@pytest.mark.parametrize("mode", ["auto", "0", "1"])
+def test_cpu_pool_runs_the_steps_its_mode_names(make_smol_llm, prompts, one_at_a_time, monkeypatch, mode):
+    """TINYVLLM_CPU_POOL: ``auto`` (the default) runs the kernels' parallel loops on cpu_pool.h's pool
+    in steps of exactly one token (batch-1 decode) and on at::parallel_for in larger ones (a prefill,
+    a batched decode); ``1`` in every step, ``0`` in none. Greedy tokens are the same in every mode."""
+    import torch
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: neither the pool nor at::parallel_for starts a parallel job")
+    monkeypatch.setenv("TINYVLLM_CPU_POOL", mode)
+    llm = make_smol_llm()
+    rule = llm.llm_engine.core.runner._pool_per_step
+    if rule is None:
+        pytest.skip("no C++ CPU kernels: the pool does not exist")
+    kern = rule[0]
+
+    def pool_jobs(reqs, max_tokens):
+        j0 = kern.parallel_pool_stats()[0]
+        toks = _tokens(llm.generate(reqs, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)))
+        return kern.parallel_pool_stats()[0] - j0, toks
+
+    prefill_jobs, _ = pool_jobs(prompts[0], 1)               # one step: the prompt's prefill
+    batch_jobs, _ = pool_jobs(prompts[:4], 3)                # prefills and decode steps of 4 rows
+    decode_jobs, toks = pool_jobs(prompts[1], MAX_TOKENS)    # a prefill, then 23 batch-1 decode steps
+    assert toks == [one_at_a_time[1]]
+    if mode == "0":
+        assert (prefill_jobs, batch_jobs, decode_jobs) == (0, 0, 0)
+    elif mode == "1":
+        assert prefill_jobs > 0 and batch_jobs > 0 and decode_jobs > 0
+    else:
+        assert prefill_jobs == 0 and batch_jobs == 0
+        assert decode_jobs >= 23 * 30  # each decode step: at least one pool job per layer (30 layers)
+    kern.set_parallel_pool(False)

@@ -122,6 +122,31 @@ def test_rows_are_batch_invariant(kern, fn, qtype, n, k):
         assert torch.equal(gemm(big[i:i + 1, :k].contiguous(), w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
+@pytest.mark.parametrize("fn,qtype,n,k", [("gemm_gguf", *s) for s in _INVARIANCE_SHAPES]
+                         + [("gemm_gguf_q8", *s) for s in _INVARIANCE_SHAPES if s[0] != "Q6_K"])
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_bits_do_not_depend_on_the_parallel_pool(kern, fn, qtype, n, k, m):
+    """cpu_pool.h's pool (which TINYVLLM_CPU_POOL=auto runs in batch-1 decode steps) divides the GGUF
+    kernels' work, never their arithmetic: on the pool, on at::parallel_for, on 2 or 3 threads and on
+    one thread the outputs are the same bits."""
+    gemm = getattr(kern, fn)
+    w, _ = _weight(qtype, n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    was = kern.set_parallel_pool(False)
+    try:
+        torch.set_num_threads(1)
+        ref = gemm(x, w.qs, w.scales, w.fmt, n, k)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for on in (True, False, True):
+                kern.set_parallel_pool(on)
+                assert torch.equal(gemm(x, w.qs, w.scales, w.fmt, n, k), ref), (threads, on)
+    finally:
+        kern.set_parallel_pool(was)
+        torch.set_num_threads(before)
+
+
 def test_unsupported_type_is_named():
     raw = np.zeros((16, 176), dtype=np.uint8)  # one Q5_K super-block per row
     with pytest.raises(UnsupportedQuantError, match=r"'blk\.3\.ffn_up\.weight'.*Q5_K"):

@@ -13,12 +13,13 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_GRAMMAR_COMPILE_NICE`` | ``19`` | nice value of the grammar-compile thread (Linux; ``0`` = the engine's own priority): a compile then runs in the engine's idle time instead of taking a core from its parallel regions |
 | ``TINYVLLM_GRAMMAR_COMPILE_SCHED`` | ``normal`` | scheduling class of the grammar-compile thread (Linux): ``normal`` (the nice value alone) or ``idle`` (``SCHED_IDLE``: any engine thread that wakes takes its core back at once; measured no better than nice 19, docs/benchmarks.md) |
 | ``TINYVLLM_GGUF_ACTIVATIONS`` | ``auto`` | activations of the native GGUF linears (``--quantization gguf``): ``int8`` (quantized per row and 32-block, ``gemm_gguf_q8``: Q8_0 / Q4_0 / Q4_1 / Q4_K), ``bf16`` (``gemm_gguf``), or ``auto``: ``int8`` where its AVX512-BF16 + VNNI kernel is built (AMD Zen 4, Intel Sapphire Rapids), else ``bf16``; Q6_K always ``bf16`` |
+| ``TINYVLLM_CPU_POOL`` | ``auto`` | where the C++ kernels' parallel loops run: ``auto`` on ``cpu_pool.h``'s pool (dynamic chunks; the caller never waits for a thread that has not started, and runs alone for a while after one lost its core) in steps of exactly one token (batch-1 decode), on ``at::parallel_for`` otherwise; ``1`` on the pool in every step; ``0`` never on the pool (docs/benchmarks.md, "A parallel pool for shared cores" and "The pool in batch-1 steps only") |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
-``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs), ``TINYVLLM_CPU_POOL``
-(``1`` runs the kernels' parallel loops on ``cpu_pool.h``'s pool, whose caller never waits for a
-descheduled thread, instead of ``at::parallel_for``; off by default, docs/benchmarks.md).
+``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs), and
+``TINYVLLM_CPU_POOL`` once more (``1`` turns the pool on when the kernels load; ``auto`` is applied
+per step by the model runner).
 
 Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
 ``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set), ``THP_MEM_ALLOC_ENABLE``
@@ -42,6 +43,7 @@ _VARS: dict[str, Callable[[], Any]] = {
     "TINYVLLM_GRAMMAR_COMPILE_NICE": lambda: int(os.environ.get("TINYVLLM_GRAMMAR_COMPILE_NICE") or 19),
     "TINYVLLM_GRAMMAR_COMPILE_SCHED": lambda: (os.environ.get("TINYVLLM_GRAMMAR_COMPILE_SCHED") or "normal").lower(),
     "TINYVLLM_GGUF_ACTIVATIONS": lambda: (os.environ.get("TINYVLLM_GGUF_ACTIVATIONS") or "auto").lower(),
+    "TINYVLLM_CPU_POOL": lambda: (os.environ.get("TINYVLLM_CPU_POOL") or "auto").lower(),
     "TINYVLLM_MAX_N_SEQUENCES": lambda: int(os.environ.get("TINYVLLM_MAX_N_SEQUENCES") or 128),
 }
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinyvllm import envs
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -96,11 +97,38 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.graph_runner: DecodeGraphRunner | None = None
         self.kv_offload = None  # a worker.kv_offload tier (HostKVTier / DiskKVTier) when one is configured
+        self._pool_per_step = self._cpu_pool_rule(getattr(self.attn_backend, "kernels", None))
         if self.device.type == "cuda" and not enforce_eager:
             runner = DecodeGraphRunner(model, self.kv_caches, block_size, max_num_seqs,
                                        max_model_len or cfg.max_position_embeddings, self.device)
             if runner.capture():
                 self.graph_runner = runner
+
+    @staticmethod
+    def _cpu_pool_rule(kernels):
+        """``(kernels, mode)`` for :meth:`_run_model`, or None without the C++ CPU kernels (``kernels``:
+        the module the attention backend runs, or None). ``mode`` is ``TINYVLLM_CPU_POOL``:
+
+        - ``auto`` (the default): a step's parallel loops run on ``cpu_pool.h``'s pool when the step has
+          exactly one token (batch-1 decode), on ``at::parallel_for`` otherwise. At batch 1 a step is
+          ~200 short parallel regions, and the API process's per-token work (or any other process)
+          takes one of the two cores for part of each step; the pool's caller does not wait for a
+          worker that lost its core (c=1 TPOT over HTTP: docs/benchmarks.md, "The pool in batch-1
+          steps only"). In larger steps its run-alone rule gave up the second thread too often (c16
+          and the agent workload 27-37 % slower), so they keep ``at::parallel_for``.
+        - ``1``: the pool in every step; ``0``: never.
+
+        The switch is process-wide, so it is set in every step (another runner in the process may
+        have changed it). The pool divides work, never arithmetic: outputs do not depend on it
+        (tests/test_cpu_kernels.py, tests/test_engine.py).
+
+        Raises:
+            ValueError: ``TINYVLLM_CPU_POOL`` is not ``auto``, ``0`` or ``1``.
+        """
+        mode = envs.TINYVLLM_CPU_POOL
+        if mode not in ("auto", "0", "1"):
+            raise ValueError(f"TINYVLLM_CPU_POOL must be auto, 0 or 1, not {mode!r}")
+        return None if kernels is None else (kernels, mode)
 
     # ------------------------------------------------------------------ per-request state
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -212,6 +240,9 @@ class ModelRunner:
         if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
                 and gr.can_run(len(tables), max(len(t) for t in tables))):
             return gr.run(input_ids, positions, seq_lens, tables)
+        if self._pool_per_step is not None:
+            kern, mode = self._pool_per_step
+            kern.set_parallel_pool(mode == "1" or (mode == "auto" and len(input_ids) == 1))
         md = self.attn_backend.build_metadata(query_lens, seq_lens, tables, self.block_size)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)

@@ -26,12 +26,14 @@
 // nested region) runs serially in the calling thread. An exception in a chunk is rethrown in the
 // caller after the job ends.
 //
-// OFF BY DEFAULT (TINYVLLM_CPU_POOL=1 turns it on; otherwise every call goes to at::parallel_for).
-// Measured on the 2-core Zen 4 machine, 2026-12-02 (docs/benchmarks.md, "A parallel pool for shared
-// cores"): beside a busy loop it takes a batch-1 decode step from 32 to 18.5-21 ms, but over HTTP
-// the run-alone rule trips on the API process's and the client's own CPU use during prefill and
-// concurrency 16, where two threads still beat one: agent workload 93.6 s against 58.7 s, c16 162
-// against 222 output tok/s (light client), 145 against 166 (vllm bench serve).
+// WHERE IT RUNS: the model runner turns it on for steps of exactly one token (batch-1 decode) and
+// off for larger ones (TINYVLLM_CPU_POOL=auto, the default; 1 = every step, 0 = none; the kernels
+// alone, outside an engine, start it on only with TINYVLLM_CPU_POOL=1). Measured on the 2-core Zen 4
+// machine (docs/benchmarks.md, "A parallel pool for shared cores"): beside a busy loop it takes a
+// batch-1 decode step from 32 to 18.5-21 ms, but in every step over HTTP the run-alone rule trips on
+// the API process's and the client's own CPU use during prefill and concurrency 16, where two
+// threads still beat one: agent workload 93.6 s against 58.7 s, c16 162 against 222 output tok/s
+// (light client), 145 against 166 (vllm bench serve). Hence batch-1 steps only.
 #pragma once
 
 #include <ATen/Parallel.h>
