@@ -13,14 +13,11 @@ import os as _os
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "1000"
 
-# Transparent huge pages for torch's large CPU allocations (packed weights, KV cache, activations):
-# c10's allocator aligns every allocation of >= 2 MiB to 2 MiB and madvise(MADV_HUGEPAGE)s it, which
-# matters where the kernel's THP mode is `madvise` (Debian's default) and would otherwise back the
-# ~160 MB of packed linears that every decode step streams with 4 KiB pages. Batch-1 decode step on
-# the 2-core Zen 4 machine, A/B pairs (docs/benchmarks.md, 2026-12-02): 0.69-1.0x quiet, 0.92-1.05x
-# beside a busy loop, a median ~0.9x inside that machine's noise. Read by c10 once, at its first allocation,
-# so it is set here, before torch loads. A value set by the user wins (0 turns it off).
-_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# torch's THP_MEM_ALLOC_ENABLE (huge pages for every CPU allocation of >= 2 MiB) is left as the user
+# sets it, off by default. It was set to 1 here for a batch-1 decode step that read ~0.9x in A/B pairs
+# (2026-12-02, inside the noise); at batch 64 it costs ~13 ms a step in fresh allocations (logits,
+# sampling: each 2 MiB-aligned, madvised and faulted in again every step), -8 to -12 % of offline
+# throughput, and the batch-1 step gained nothing in a new A/B (docs/benchmarks.md, 2026-12-03).
 
 from tinyvllm.outputs import CompletionOutput, RequestOutput
 from tinyvllm.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ per step by the model runner).
 
 Variables of other programs that tinyvllm sets or reads: ``GOMP_SPINCOUNT`` /
 ``OMP_WAIT_POLICY`` (set on import of :mod:`tinyvllm` unless already set), ``THP_MEM_ALLOC_ENABLE``
-(torch's: huge pages for allocations of >= 2 MiB; set to ``1`` on import unless already set),
+(torch's: huge pages for allocations of >= 2 MiB; not set by tinyvllm: it slows batched steps),
 ``TRITON_INTERPRET`` (read by triton), ``TOKENIZERS_PARALLELISM``.
 """
 
