@@ -3,20 +3,27 @@
 dequantized float32 model, on 20 chat prompts (the 6 of tests/conftest.py's CHAT_PROMPTS and 14 more).
 
     .venv/bin/python benchmarks/gguf_quality.py [--model SmolLM2-135M-Instruct] [--llama-server URL]
+        [--positions 8] [--json FILE]
 
 Variants: ``bf16`` (dequantized at load, ``--quantization none``) and ``native`` (``--quantization gguf``)
 with each of its activation arithmetics (``TINYVLLM_GGUF_ACTIVATIONS=int8``, then ``bf16``; int8 only
 where its VNNI kernel is built), each against ``float32`` (``--quantization none --dtype float32``).
-Per prompt: the full-vocabulary next-token distribution at the end of the prompt (captured from
-``compute_logits``), KL(fp32 || variant) in nats; whether the argmax agrees; and over an 8-token greedy
-continuation, the number of tokens equal to fp32's before the first difference. With ``--llama-server``
-(a llama-server on the same GGUF), the same prompts' token ids are sent to its ``/completion`` with
-``n_probs`` = the vocabulary size, which returns every token's log-probability, so llama.cpp gets the
-same full KL (a token it leaves out, if any, is floored at the smallest probability it reported). A
-*top-100 KL* is also printed for every row: the sum over fp32's top-100 tokens of p log(p / q) with q
-known only on the variant's own top 100 (floored likewise). It is what a top-100 logprobs response
-allows; with 20 prompts it is dominated by a few flat distributions and moves 3x under perturbations
-as small as rounding the activations to bf16 (docs/benchmarks.md), so read the full KL.
+Per prompt, up to ``--positions`` full-vocabulary next-token distributions (captured from
+``compute_logits``): at the end of the prompt, then after each of the first tokens of float32's own
+greedy continuation, fed to every variant as prompt tokens (teacher forcing, as llama.cpp's
+``llama-perplexity --kl-divergence`` scores a fixed text; it stops at an end-of-sequence token). For
+each: KL(fp32 || variant) in nats and whether the argmax agrees; the mean KL is over all of them, "KL
+at end" over the end-of-prompt ones only (``--positions 1`` measures only those). Also, over a free
+8-token greedy continuation, the number of tokens equal to fp32's before the first difference. With
+``--llama-server`` (a llama-server on the same GGUF), the same token ids are sent to its
+``/completion`` with ``n_probs`` = the vocabulary size, which returns every token's log-probability,
+so llama.cpp gets the same full KL (a token it leaves out, if any, is floored at the smallest
+probability it reported), and the ratio of each variant's mean KL to llama.cpp's is printed with a
+95 % paired bootstrap interval that resamples whole prompts. A *top-100 KL* is also printed for every
+row: the sum over fp32's top-100 tokens of p log(p / q) with q known only on the variant's own top 100
+(floored likewise). It is what a top-100 logprobs response allows; it is dominated by a few flat
+distributions and moved 3x under perturbations as small as rounding the activations to bf16
+(docs/benchmarks.md), so read the full KL.
 """
 
 from __future__ import annotations
@@ -56,7 +63,12 @@ TOPN = 100
 GEN = 8  # greedy continuation length (kept short: the shared 2-core machine)
 
 
-def run_variant(model: str, **kw):
+def run_variant(model: str, forced: list[list[int]] | None = None, positions: int = GEN, **kw):
+    """Per prompt: the log-softmax next-token distributions at ``positions`` points (the end of the
+    prompt, then after each of the first ``positions - 1`` tokens of ``forced[i]``, float32's greedy
+    continuation, fed as prompt tokens: teacher forcing, so every variant is scored on the same token
+    sequences; ``forced=None`` uses the variant's own continuation, which is how the reference runs),
+    and the variant's own free-running greedy continuation of ``GEN`` tokens."""
     from tinyvllm import LLM, SamplingParams
 
     llm = LLM(model, **kw)
@@ -72,27 +84,40 @@ def run_variant(model: str, **kw):
     m.compute_logits = cap
     ids = [llm.llm_engine.chat_prompt_ids([{"role": "user", "content": p}]) for p in PROMPTS]
     dists, gens = [], []
-    for i in ids:
+    for n, i in enumerate(ids):
         captured.clear()
         out = llm.generate([{"prompt_token_ids": i}], SamplingParams(temperature=0.0, max_tokens=GEN))
-        dists.append(torch.log_softmax(captured[0].double(), -1))
         gens.append(list(out[0].outputs[0].token_ids))
+        per = [torch.log_softmax(captured[0].double(), -1)]
+        tail = gens[-1] if forced is None else forced[n]
+        for k in range(1, min(positions, len(tail) + 1)):
+            if tail[k - 1] in llm.llm_engine.eos_token_ids:
+                break
+            captured.clear()
+            llm.generate([{"prompt_token_ids": i + tail[:k]}], SamplingParams(temperature=0.0, max_tokens=1))
+            per.append(torch.log_softmax(captured[0].double(), -1))
+        dists.append(per)
     m.compute_logits = orig
     return ids, dists, gens
 
 
-def llama_server_probs(url: str, ids: list[list[int]], vocab: int) -> list[dict[int, float]]:
-    """Per prompt, {token id: log-probability} of llama-server's next-token distribution (all ``vocab``
-    tokens: llama-server's ``n_probs`` is not capped)."""
+def llama_server_probs(url: str, ids: list[list[int]], forced: list[list[int]], npos: list[int],
+                       vocab: int) -> list[list[dict[int, float]]]:
+    """Per prompt and position (as :func:`run_variant` with ``forced``), {token id: log-probability} of
+    llama-server's next-token distribution (all ``vocab`` tokens: llama-server's ``n_probs`` is not
+    capped)."""
     res = []
-    for i in ids:
-        body = json.dumps({"prompt": i, "n_predict": 1, "temperature": 0, "n_probs": vocab,
-                           "post_sampling_probs": False, "cache_prompt": False}).encode()
-        req = urllib.request.Request(url.rstrip("/") + "/completion", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            data = json.loads(r.read())
-        top = data["completion_probabilities"][0]["top_logprobs"]
-        res.append({int(t["id"]): float(t["logprob"]) for t in top})
+    for i, tail, n in zip(ids, forced, npos):
+        per = []
+        for k in range(n):
+            body = json.dumps({"prompt": i + tail[:k], "n_predict": 1, "temperature": 0, "n_probs": vocab,
+                               "post_sampling_probs": False, "cache_prompt": False}).encode()
+            req = urllib.request.Request(url.rstrip("/") + "/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                data = json.loads(r.read())
+            top = data["completion_probabilities"][0]["top_logprobs"]
+            per.append({int(t["id"]): float(t["logprob"]) for t in top})
+        res.append(per)
     return res
 
 
@@ -114,10 +139,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--positions", type=int, default=GEN,
+                    help="next-token distributions per prompt: the end of the prompt, then teacher-forced "
+                         "along float32's greedy continuation (1: the end of the prompt only)")
+    ap.add_argument("--json", default=None, help="write each variant's KL per prompt and position here")
     args = ap.parse_args()
-    ids, ref, ref_gen = run_variant(args.model, dtype="float32", quantization="none")
+    ids, ref, ref_gen = run_variant(args.model, positions=args.positions, dtype="float32", quantization="none")
+    npos = [len(r) for r in ref]
     rows = []
-    per_prompt: dict[str, list[float]] = {}  # each variant's KL per prompt
+    per_prompt: dict[str, list[list[float]]] = {}  # each variant's KL per prompt and position
     from tinyvllm.kernels.cpu import cpu_kernels
     from tinyvllm.model import gguf_quant
 
@@ -129,45 +159,56 @@ def main() -> None:
         if acts is not None:
             os.environ["TINYVLLM_GGUF_ACTIVATIONS"] = acts
             gguf_quant._INT8_ACTS.clear()  # the choice is cached per process; this script runs both
-        _, d, g = run_variant(args.model, **kw)
-        kl = [float((r.exp() * (r - x)).sum()) for r, x in zip(ref, d)]
-        agree = sum(int(r.argmax() == x.argmax()) for r, x in zip(ref, d))
+        _, d, g = run_variant(args.model, forced=ref_gen, positions=args.positions, **kw)
+        kl = [[float((r.exp() * (r - x)).sum()) for r, x in zip(rp, xp)] for rp, xp in zip(ref, d)]
+        agree = sum(int(r.argmax() == x.argmax()) for rp, xp in zip(ref, d) for r, x in zip(rp, xp))
         prefix = []
         for a, b in zip(ref_gen, g):
             n = 0
             while n < min(len(a), len(b)) and a[n] == b[n]:
                 n += 1
             prefix.append(n)
-        tkl = [topn_kl(r, {i: float(x[i]) for i in torch.topk(x, TOPN).indices.tolist()}) for r, x in zip(ref, d)]
+        tkl = [topn_kl(r, {i: float(x[i]) for i in torch.topk(x, TOPN).indices.tolist()})
+               for rp, xp in zip(ref, d) for r, x in zip(rp, xp)]
         per_prompt[name] = kl
-        rows.append((name, sum(kl) / len(kl), max(kl), agree, sum(prefix) / len(prefix),
-                     sum(p == GEN for p in prefix), sum(tkl) / len(tkl)))
+        rows.append((name, kl, agree, f"{sum(prefix) / len(prefix):.1f} ({sum(p == GEN for p in prefix)} all)", tkl))
     if args.llama_server:
-        q = llama_server_probs(args.llama_server, ids, ref[0].numel())
-        kl = [full_kl(r, x) for r, x in zip(ref, q)]
-        top = [dict(sorted(x.items(), key=lambda t: -t[1])[:TOPN]) for x in q]
-        tkl = [topn_kl(r, x) for r, x in zip(ref, top)]
-        agree = sum(int(int(r.argmax()) == max(x, key=x.get)) for r, x in zip(ref, q))
-        rows.append(("llama.cpp (llama-server)", sum(kl) / len(kl), max(kl), agree, float("nan"), -1,
-                     sum(tkl) / len(tkl)))
+        q = llama_server_probs(args.llama_server, ids, ref_gen, npos, ref[0][0].numel())
+        kl = [[full_kl(r, x) for r, x in zip(rp, xp)] for rp, xp in zip(ref, q)]
+        tkl = [topn_kl(r, dict(sorted(x.items(), key=lambda t: -t[1])[:TOPN]))
+               for rp, xp in zip(ref, q) for r, x in zip(rp, xp)]
+        agree = sum(int(int(r.argmax()) == max(x, key=x.get)) for rp, xp in zip(ref, q) for r, x in zip(rp, xp))
+        rows.append(("llama.cpp (llama-server)", kl, agree, "-", tkl))
         per_prompt["llama.cpp"] = kl
-    print(f"{len(PROMPTS)} prompts; reference: dequantized float32 ({args.model})")
-    print(f"{'variant':28s} {'mean KL':>10s} {'max KL':>10s} {'argmax=':>8s} {'greedy prefix':>14s} "
-          f"{'all':>6s} {'top100 KL':>10s}")
-    for r in rows:
-        print(f"{r[0]:28s} {r[1]:10.2e} {r[2]:10.2e} {r[3]:5d}/{len(PROMPTS)} {r[4]:14.1f} {r[5]:6d} {r[6]:10.2e}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(per_prompt))
+    total = sum(npos)
+    print(f"{len(PROMPTS)} prompts, {total} next-token distributions (up to {args.positions} per prompt, "
+          f"teacher-forced on float32's greedy continuation); reference: dequantized float32 ({args.model})")
+    print(f"{'variant':28s} {'mean KL':>10s} {'max KL':>10s} {'KL at end':>10s} {'argmax=':>9s} "
+          f"{'greedy prefix (of ' + str(GEN) + ')':>22s} {'top100 KL':>10s}")
+    for name, kl, agree, prefix, tkl in rows:
+        flat = [v for per in kl for v in per]
+        end = [per[0] for per in kl]
+        print(f"{name:28s} {sum(flat) / len(flat):10.2e} {max(flat):10.2e} {sum(end) / len(end):10.2e} "
+              f"{agree:4d}/{total:<4d} {prefix:>22s} {sum(tkl) / len(tkl):10.2e}")
     if "llama.cpp" in per_prompt:
         # Mean KL relative to llama.cpp's, with a 95 % interval from a paired bootstrap over the prompts
-        # (the same resampled prompts for both): how much of a difference 20 prompts can resolve.
-        ref_kl = torch.tensor(per_prompt["llama.cpp"], dtype=torch.float64)
+        # (each resampled prompt brings all its positions, for both: positions of one prompt are not
+        # independent), i.e. how much of a difference these prompts can resolve.
+        def sums(kl):
+            return (torch.tensor([sum(per) for per in kl], dtype=torch.float64),
+                    torch.tensor([len(per) for per in kl], dtype=torch.float64))
+
+        ref_s, cnt = sums(per_prompt["llama.cpp"])
         idx = torch.randint(0, len(PROMPTS), (10_000, len(PROMPTS)), generator=torch.Generator().manual_seed(0))
         print("mean KL / llama.cpp's (95 % paired bootstrap interval over the prompts):")
         for name, kl in per_prompt.items():
             if name == "llama.cpp":
                 continue
-            v = torch.tensor(kl, dtype=torch.float64)
-            boot = (v[idx].mean(1) / ref_kl[idx].mean(1)).sort().values
-            print(f"  {name:28s} {float(v.mean() / ref_kl.mean()):.2f} "
+            v, _ = sums(kl)
+            boot = (v[idx].sum(1) / ref_s[idx].sum(1)).sort().values
+            print(f"  {name:28s} {float(v.sum() / ref_s.sum()):.2f} "
                   f"[{float(boot[250]):.2f}, {float(boot[9749]):.2f}]")
 
 
