@@ -60,6 +60,7 @@ PROMPTS = CHAT_PROMPTS + [
     "Tell me a fun fact about octopuses.",
 ]
 TOPN = 100
+LLAMA_CPP = "llama.cpp (llama-server)"
 GEN = 8  # greedy continuation length (kept short: the shared 2-core machine)
 
 
@@ -146,8 +147,7 @@ def main() -> None:
     args = ap.parse_args()
     ids, ref, ref_gen = run_variant(args.model, positions=args.positions, dtype="float32", quantization="none")
     npos = [len(r) for r in ref]
-    rows = []
-    per_prompt: dict[str, list[list[float]]] = {}  # each variant's KL per prompt and position
+    rows = []  # (variant, KL per prompt and position, argmax agreements, greedy prefix, top-100 KLs)
     from tinyvllm.kernels.cpu import cpu_kernels
     from tinyvllm.model import gguf_quant
 
@@ -170,7 +170,6 @@ def main() -> None:
             prefix.append(n)
         tkl = [topn_kl(r, {i: float(x[i]) for i in torch.topk(x, TOPN).indices.tolist()})
                for rp, xp in zip(ref, d) for r, x in zip(rp, xp)]
-        per_prompt[name] = kl
         rows.append((name, kl, agree, f"{sum(prefix) / len(prefix):.1f} ({sum(p == GEN for p in prefix)} all)", tkl))
     if args.llama_server:
         q = llama_server_probs(args.llama_server, ids, ref_gen, npos, ref[0][0].numel())
@@ -178,8 +177,8 @@ def main() -> None:
         tkl = [topn_kl(r, dict(sorted(x.items(), key=lambda t: -t[1])[:TOPN]))
                for rp, xp in zip(ref, q) for r, x in zip(rp, xp)]
         agree = sum(int(int(r.argmax()) == max(x, key=x.get)) for rp, xp in zip(ref, q) for r, x in zip(rp, xp))
-        rows.append(("llama.cpp (llama-server)", kl, agree, "-", tkl))
-        per_prompt["llama.cpp"] = kl
+        rows.append((LLAMA_CPP, kl, agree, "-", tkl))
+    per_prompt = {r[0]: r[1] for r in rows}
     if args.json:
         Path(args.json).write_text(json.dumps(per_prompt))
     total = sum(npos)
@@ -192,21 +191,20 @@ def main() -> None:
         end = [per[0] for per in kl]
         print(f"{name:28s} {sum(flat) / len(flat):10.2e} {max(flat):10.2e} {sum(end) / len(end):10.2e} "
               f"{agree:4d}/{total:<4d} {prefix:>22s} {sum(tkl) / len(tkl):10.2e}")
-    if "llama.cpp" in per_prompt:
+    if LLAMA_CPP in per_prompt:
         # Mean KL relative to llama.cpp's, with a 95 % interval from a paired bootstrap over the prompts
         # (each resampled prompt brings all its positions, for both: positions of one prompt are not
         # independent), i.e. how much of a difference these prompts can resolve.
         def sums(kl):
-            return (torch.tensor([sum(per) for per in kl], dtype=torch.float64),
-                    torch.tensor([len(per) for per in kl], dtype=torch.float64))
+            return torch.tensor([sum(per) for per in kl], dtype=torch.float64)
 
-        ref_s, cnt = sums(per_prompt["llama.cpp"])
+        ref_s = sums(per_prompt[LLAMA_CPP])
         idx = torch.randint(0, len(PROMPTS), (10_000, len(PROMPTS)), generator=torch.Generator().manual_seed(0))
         print("mean KL / llama.cpp's (95 % paired bootstrap interval over the prompts):")
         for name, kl in per_prompt.items():
-            if name == "llama.cpp":
+            if name == LLAMA_CPP:
                 continue
-            v, _ = sums(kl)
+            v = sums(kl)
             boot = (v[idx].sum(1) / ref_s[idx].sum(1)).sort().values
             print(f"  {name:28s} {float(v.sum() / ref_s.sum()):.2f} "
                   f"[{float(boot[250]):.2f}, {float(boot[9749]):.2f}]")

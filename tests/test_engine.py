@@ -163,10 +163,9 @@ def test_cpu_pool_runs_the_steps_its_mode_names(make_smol_llm, prompts, one_at_a
         pytest.skip("one torch thread: neither the pool nor at::parallel_for starts a parallel job")
     monkeypatch.setenv("TINYVLLM_CPU_POOL", mode)
     llm = make_smol_llm()
-    rule = llm.llm_engine.core.runner._pool_per_step
-    if rule is None:
+    kern = llm.llm_engine.core.runner._pool_kern
+    if kern is None:
         pytest.skip("no C++ CPU kernels: the pool does not exist")
-    kern = rule[0]
 
     def pool_jobs(reqs, max_tokens):
         j0 = kern.parallel_pool_stats()[0]

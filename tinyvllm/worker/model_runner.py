@@ -97,7 +97,9 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.graph_runner: DecodeGraphRunner | None = None
         self.kv_offload = None  # a worker.kv_offload tier (HostKVTier / DiskKVTier) when one is configured
-        self._pool_per_step = self._cpu_pool_rule(getattr(self.attn_backend, "kernels", None))
+        # The C++ CPU kernels whose parallel pool _run_model switches per step (None: no such kernels).
+        self._pool_kern = getattr(self.attn_backend, "kernels", None)
+        self._pool_mode = self._cpu_pool_mode()
         if self.device.type == "cuda" and not enforce_eager:
             runner = DecodeGraphRunner(model, self.kv_caches, block_size, max_num_seqs,
                                        max_model_len or cfg.max_position_embeddings, self.device)
@@ -105,9 +107,9 @@ class ModelRunner:
                 self.graph_runner = runner
 
     @staticmethod
-    def _cpu_pool_rule(kernels):
-        """``(kernels, mode)`` for :meth:`_run_model`, or None without the C++ CPU kernels (``kernels``:
-        the module the attention backend runs, or None). ``mode`` is ``TINYVLLM_CPU_POOL``:
+    def _cpu_pool_mode() -> str:
+        """``TINYVLLM_CPU_POOL``, which :meth:`_run_model` applies in every step where the C++ CPU
+        kernels run:
 
         - ``auto`` (the default): a step's parallel loops run on ``cpu_pool.h``'s pool when the step has
           exactly one token (batch-1 decode), on ``at::parallel_for`` otherwise. At batch 1 a step is
@@ -128,7 +130,7 @@ class ModelRunner:
         mode = envs.TINYVLLM_CPU_POOL
         if mode not in ("auto", "0", "1"):
             raise ValueError(f"TINYVLLM_CPU_POOL must be auto, 0 or 1, not {mode!r}")
-        return None if kernels is None else (kernels, mode)
+        return mode
 
     # ------------------------------------------------------------------ per-request state
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -240,9 +242,9 @@ class ModelRunner:
         if (gr is not None and all(q == 1 for q in query_lens)  # decode-only: one new token per sequence
                 and gr.can_run(len(tables), max(len(t) for t in tables))):
             return gr.run(input_ids, positions, seq_lens, tables)
-        if self._pool_per_step is not None:
-            kern, mode = self._pool_per_step
-            kern.set_parallel_pool(mode == "1" or (mode == "auto" and len(input_ids) == 1))
+        if self._pool_kern is not None:
+            mode = self._pool_mode
+            self._pool_kern.set_parallel_pool(mode == "1" or (mode == "auto" and len(input_ids) == 1))
         md = self.attn_backend.build_metadata(query_lens, seq_lens, tables, self.block_size)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
