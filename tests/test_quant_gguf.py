@@ -315,8 +315,9 @@ def test_resolve_quantization_rules(tmp_path):
     d = resolve_model("SmolLM2-135M-Instruct").model_dir
     assert gguf_quant.resolve_quantization("none", d, torch.bfloat16, "cpu") is None
     assert gguf_quant.resolve_quantization("auto", d, torch.float32, "cpu") is None
-    with pytest.raises(ValueError, match="bfloat16"):
-        gguf_quant.resolve_quantization("gguf", d, torch.float32, "cpu")
+    assert gguf_quant.resolve_quantization("gguf", d, torch.float32, "cpu") is not None  # llama.cpp's arithmetic
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        gguf_quant.resolve_quantization("gguf", d, torch.float16, "cpu")
     with pytest.raises(ValueError, match="not a GGUF"):
         gguf_quant.resolve_quantization("gguf", tmp_path, torch.bfloat16, "cpu")
     kern = _kern()
@@ -468,6 +469,43 @@ def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k):
         tol = np.abs(y64) * 2.0 ** -8 + mag * (1 + 2.0 ** -8) * (2 * nb + 1) * 2.0 ** -24
         assert (np.abs(err) <= tol).all(), (qtype, m, np.abs(err).max())
         assert torch.equal(kern.gemm_gguf_q8_ref(x, w.qs, w.scales, w.fmt, n, k, bias), y), (qtype, m)
+
+
+_F32_SHAPES = [("Q8_0", 160), ("Q4_0", 160), ("Q4_1", 160), ("Q4_K", 512), ("Q6_K", 512)]
+
+
+@pytest.mark.parametrize("fn,qtype,k", [("gemm_gguf", *s) for s in _F32_SHAPES]
+                         + [("gemm_gguf_q8", *s) for s in _F32_SHAPES if s[0] != "Q6_K"])
+def test_float32_activations(kern, fn, qtype, k):
+    """float32 x (a float32 model with native linears): the output is float32 (no bf16 rounding), equal
+    to the scalar loop bit for bit at M = 1, 2, 3, 9, 63 with a padded last group, and to the float64
+    value of the arithmetic to fp32 accumulation error: gemm_gguf_q8, the int8 quantization of the
+    unrounded x (llama.cpp's arithmetic, _q8_emulate); gemm_gguf, x . w with the exact weights (each
+    block's sum as fmas in fp32: a product of a float32 and an 8-bit integer is not exact in fp32, so
+    the kernel's fma and the scalar loop's std::fma must agree, which the bit-for-bit check shows)."""
+    n, nb = 250, k // 32
+    raw = random_blocks(np.random.default_rng(11), n, k, qtype, k ** -0.5)
+    w = repack(raw, qtype, n, k, "t")
+    ref_w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)).double()
+    g = torch.Generator().manual_seed(12)
+    for m in (1, 2, 3, 9, 63):
+        x = torch.randn(m, k, generator=g)
+        bias = torch.randn(n, generator=g)
+        y = getattr(kern, fn)(x, w.qs, w.scales, w.fmt, n, k, bias)
+        assert y.dtype == torch.float32
+        assert torch.equal(getattr(kern, fn + "_ref")(x, w.qs, w.scales, w.fmt, n, k, bias), y), (qtype, m)
+        if fn == "gemm_gguf_q8":
+            y64, mag = _q8_emulate(x, raw, qtype, n, k, bias)
+            tol = mag * (2 * nb + 1) * 2.0 ** -23
+        else:
+            y64 = (x.double() @ ref_w.T + bias.double()).numpy()
+            tol = (x.double().abs() @ ref_w.abs().T + bias.abs().double()).numpy() * (k + 2 * nb + 1) * 2.0 ** -23
+        assert (np.abs(y.double().numpy() - y64) <= tol).all(), (qtype, m)
+    # rows are batch invariant in float32 too
+    x = torch.randn(21, k, generator=g)
+    full = getattr(kern, fn)(x, w.qs, w.scales, w.fmt, n, k)
+    for i in (0, 7, 20):
+        assert torch.equal(getattr(kern, fn)(x[i:i + 1], w.qs, w.scales, w.fmt, n, k), full[i:i + 1]), i
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])

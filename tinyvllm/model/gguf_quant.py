@@ -75,12 +75,17 @@ _INT8_ACTS: dict[int, bool] = {}
 
 def int8_activations(kern: Any) -> bool:
     """Whether the native Q8_0 / Q4_0 / Q4_1 / Q4_K linears quantize their activations to int8 per
-    row and 32-block (``gemm_gguf_q8``, llama.cpp's q8_0 / q8_1 scheme; VPDPBUSD on AVX512-VNNI) or
-    keep them bf16 (``gemm_gguf``). ``TINYVLLM_GGUF_ACTIVATIONS``: ``int8``, ``bf16``, or ``auto``
-    (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``: AVX512-BF16
-    and AVX512-VNNI, e.g. AMD Zen 4; elsewhere ``gemm_gguf_q8`` is only the scalar loop, and ``int8``
-    is logged as slow). Fixed per process, so a model's arithmetic,
-    and its greedy outputs, never change between steps.
+    row and 32-block (``gemm_gguf_q8``, llama.cpp's q8_0 / q8_1 scheme: VPDPBUSD on AVX512-VNNI,
+    VPMADDUBSW / VPMADDWD on AVX2) or keep them as they are, bf16 or float32 (``gemm_gguf``).
+    ``TINYVLLM_GGUF_ACTIVATIONS``: ``int8``, ``bf16`` (the model dtype's activations, float32 too), or
+    ``auto`` (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``:
+    AVX512-BF16 and AVX512-VNNI, e.g. AMD Zen 4, where ``--quantization auto`` keeps the dequantized
+    path, so native is the fast path a user asked for). On AVX2 alone (AMD Zen 1-3), where
+    ``--quantization auto`` runs native by default, ``auto`` keeps the activations unquantized: the
+    default stays the more exact arithmetic (mean KL against float32 0.3x llama.cpp's, against ~1.1x with
+    int8; docs/benchmarks.md) and ``int8`` is the fast one. Without either vector kernel ``int8`` runs
+    the scalar loop (logged as slow). Fixed per process, so a model's arithmetic, and its greedy
+    outputs, never change between steps.
 
     Raises:
         ValueError: another value of ``TINYVLLM_GGUF_ACTIVATIONS``.
@@ -92,10 +97,11 @@ def int8_activations(kern: Any) -> bool:
         mode = envs.TINYVLLM_GGUF_ACTIVATIONS
         if mode not in ("auto", "int8", "bf16"):
             raise ValueError(f"TINYVLLM_GGUF_ACTIVATIONS must be auto, int8 or bf16, not {mode!r}")
-        vnni = kern.gemm_gguf_q8_isa() == "avx512_vnni"
-        if mode == "int8" and not vnni:
-            logger.warning("TINYVLLM_GGUF_ACTIVATIONS=int8 without the AVX512-VNNI kernel: the native linears "
-                           "run gemm_gguf_q8's scalar loop (correct, many times slower)")
+        isa = kern.gemm_gguf_q8_isa()
+        vnni = isa == "avx512_vnni"
+        if mode == "int8" and isa == "scalar":
+            logger.warning("TINYVLLM_GGUF_ACTIVATIONS=int8 without an AVX512-VNNI or AVX2 kernel: the native "
+                           "linears run gemm_gguf_q8's scalar loop (correct, many times slower)")
         _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and vnni)
     return _INT8_ACTS[key]
 
@@ -125,8 +131,8 @@ class QuantWeight:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * self.scales.element_size()
 
     def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[..., k] bf16 -> [..., n] bf16 with ``kern.gemm_gguf_q8`` (int8 activations, see
-        :func:`int8_activations`) or ``kern.gemm_gguf`` (batch invariant either way)."""
+        """[..., k] bf16 or float32 -> [..., n] in x's dtype with ``kern.gemm_gguf_q8`` (int8
+        activations, see :func:`int8_activations`) or ``kern.gemm_gguf`` (batch invariant either way)."""
         if self.fmt != FMT_Q6K and int8_activations(kern):
             return kern.gemm_gguf_q8(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
         return kern.gemm_gguf(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
@@ -508,14 +514,17 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
     """The GGUF file to run natively, or None for the dequantized path.
 
     ``auto`` (the default): native where it is the faster path. That is: ``model_dir`` was converted
-    from a GGUF whose linears are quantized, the dtype is bfloat16, the device is the CPU, the C++
+    from a GGUF whose linears are quantized, the dtype is bfloat16 (a float32 model keeps the exact
+    dequantized path under ``auto``), the device is the CPU, the C++
     kernels have a vector ``gemm_gguf`` (AVX512-BF16 or AVX2 + FMA) and no packed bf16 GEMM (no
     AVX512-BF16: AMD Zen 1-3, Intel before Cooper Lake). There the dequantized path is PyTorch's bf16
     ``F.linear`` in padded row slabs, which native beat 2-4x per linear and 12x per batch-1 decode
     step (docs/benchmarks.md, "Native GGUF on AVX2"). With AVX512-BF16 the packed bf16 GEMM (AMX or
     ``vdpbf16ps``) is faster from 8 rows up and invariance forbids switching kernels by rows, so
     ``auto`` keeps it. ``gguf``: native is required wherever it can run (the kernels' portable
-    scalar loop where no vector kernel is built).
+    scalar loop where no vector kernel is built), in bfloat16 or float32: float32 activations feed
+    the kernels unrounded and the linears' outputs stay float32, so with int8 activations the
+    arithmetic is llama.cpp's (activations quantized from float32, float32 everywhere else).
     ``none``: None.
 
     Raises:
@@ -530,8 +539,10 @@ def resolve_quantization(mode: str, model_dir: str | Path, dtype: torch.dtype, d
     why = None
     if src is None:
         why = "the model is not a GGUF file"
-    elif dtype != torch.bfloat16:
-        why = f"native GGUF runs bfloat16 activations, not {dtype} (use --dtype bfloat16, or --quantization none)"
+    elif dtype not in (torch.bfloat16, torch.float32):
+        why = f"native GGUF runs bfloat16 or float32 activations, not {dtype} (or use --quantization none)"
+    elif mode == "auto" and dtype != torch.bfloat16:
+        why = f"auto runs native GGUF in bfloat16 only, not {dtype} (--quantization gguf runs it in float32)"
     elif torch.device(device).type != "cpu":
         why = f"native GGUF kernels run on the CPU, not {device}"
     else:

@@ -76,7 +76,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #include <immintrin.h>
 #define TINYVLLM_QGEMM_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#endif
+// The AVX2 kernels are built wherever AVX2 exists (AVX-512 machines too): they run every float32 call.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TINYVLLM_QGEMM_AVX2 1
 #endif
@@ -100,6 +102,14 @@ inline uint16_t f_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+// Activations and outputs are bf16 (uint16_t bits) or float32, as the call's x is.
+inline float act_f(uint16_t h) { return bf16_to_f(h); }
+inline float act_f(float f) { return f; }
+inline void store_out(void* out, bool f32, int64_t i, float v) {
+  if (f32) static_cast<float*>(out)[i] = v;
+  else static_cast<uint16_t*>(out)[i] = f_to_bf16(v);
 }
 
 inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -138,9 +148,10 @@ inline float scale_at(int fmt, const uint8_t* gs, int64_t b, int which, int c) {
 }
 
 // Sum of x[r, 32b : 32b+32] in a fixed order: s = ((x0 + x1) + x2) + ... (scalar, the reference's).
-inline float block_sum_scalar(const uint16_t* x) {
+template <typename T>
+inline float block_sum_scalar(const T* x) {
   float s = 0.0f;
-  for (int i = 0; i < 32; ++i) s += bf16_to_f(x[i]);
+  for (int i = 0; i < 32; ++i) s += act_f(x[i]);
   return s;
 }
 
@@ -160,8 +171,9 @@ inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
   return row[2 * c + (k & 1)];
 }
 
-void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
-              int64_t N, int64_t K, uint16_t* out, const float* bias) {
+template <typename T>
+void gemm_ref(const T* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
+              int64_t N, int64_t K, void* out, bool out_f32, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -171,14 +183,14 @@ void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, cons
       const uint8_t* gq = qs + g * gq_stride;
       const uint8_t* gs = sc + g * gs_stride;
       for (int64_t m = 0; m < M; ++m) {
-        const uint16_t* xr = x + m * ldx;
+        const T* xr = x + m * ldx;
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
           float p = 0.0f;
           for (int kp = 0; kp < 16; ++kp) {  // VDPBF16PS: odd element first, then even
-            const int k = 2 * kp;
-            p += bf16_to_f(xr[b * 32 + k + 1]) * static_cast<float>(q_at(fmt, gq, b, c, k + 1));
-            p += bf16_to_f(xr[b * 32 + k]) * static_cast<float>(q_at(fmt, gq, b, c, k));
+            const int k = 2 * kp;           // (fma: for bf16 x the product is exact, so = mul + add)
+            p = std::fma(act_f(xr[b * 32 + k + 1]), static_cast<float>(q_at(fmt, gq, b, c, k + 1)), p);
+            p = std::fma(act_f(xr[b * 32 + k]), static_cast<float>(q_at(fmt, gq, b, c, k)), p);
             if (fmt_halves(fmt) && kp % 8 == 7) {  // Q6_K: fold each 16-weight sub-block
               acc = std::fma(p, scale_at(fmt, gs, b, kp / 8, c), acc);
               p = 0.0f;
@@ -189,7 +201,7 @@ void gemm_ref(const uint16_t* x, int64_t ldx, int64_t M, const uint8_t* qs, cons
           if (fmt_min(fmt)) acc = std::fma(block_sum_scalar(xr + b * 32), scale_at(fmt, gs, b, 1, c), acc);
         }
         if (bias) acc += bias[n];
-        out[m * N + n] = f_to_bf16(acc);
+        store_out(out, out_f32, m * N + n, acc);
       }
     }
   });
@@ -791,15 +803,16 @@ inline void avx2_rows_any(int R, int fmt, const float* qf, const float* sc, cons
   }
 }
 
-void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs, const uint8_t* sc,
-               int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+template <typename T>
+void gemm_avx2(const T* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs, const uint8_t* sc,
+               int fmt, int64_t N, int64_t K, void* out, bool out_f32, const float* bias) {
   const int64_t nb = K / kQBlock, G = ceil_div(N, kGroup), items = ceil_div(G, 2);
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   // x as fp32 once per call (the inner loop broadcasts one value per fma group from memory).
   std::vector<float> xf(static_cast<size_t>(M * K));
   tv_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = bf16_to_f(x[m * ldx + k]);
+      for (int64_t k = 0; k < K; ++k) xf[m * K + k] = act_f(x[m * ldx + k]);
   });
   tv_pool::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     alignas(32) float qf[32 * kAvx2Cols];
@@ -840,7 +853,7 @@ void gemm_avx2(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const
         for (int64_t c = 0; c < cols; ++c) {
           float v = acc[m * kAvx2Cols + c];
           if (bias) v += bias[c0 + c];
-          out[m * N + c0 + c] = f_to_bf16(v);
+          store_out(out, out_f32, m * N + c0 + c, v);
         }
     }
   });
@@ -913,14 +926,15 @@ inline void q8_block_scale(float amax, bool finite, float* dx, float* inv) {
 inline int8_t q8_round(float v) { return static_cast<int8_t>(static_cast<int>(std::nearbyint(v))); }
 
 // Scalar quantization of row x (K values) into its xq/dx/xs/xc row slices (xs, xc: null if unused).
-void quantize_row_ref(const uint16_t* x, int64_t K, int fmt, int8_t* xq, float* dx, float* xs, int32_t* xc) {
+template <typename T>
+void quantize_row_ref(const T* x, int64_t K, int fmt, int8_t* xq, float* dx, float* xs, int32_t* xc) {
   const int64_t nb = K / kQBlock;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint16_t* xb = x + b * 32;
+    const T* xb = x + b * 32;
     float amax = 0.0f;
     bool finite = true;
     for (int i = 0; i < 32; ++i) {
-      const float a = std::fabs(bf16_to_f(xb[i]));
+      const float a = std::fabs(act_f(xb[i]));
       finite = finite && a <= std::numeric_limits<float>::max();
       amax = a > amax ? a : amax;
     }
@@ -928,7 +942,7 @@ void quantize_row_ref(const uint16_t* x, int64_t K, int fmt, int8_t* xq, float* 
     q8_block_scale(amax, finite, dx + b, &inv);
     int32_t s = 0;
     for (int k = 0; k < 32; ++k) {
-      const int8_t v = finite ? q8_round(bf16_to_f(xb[k]) * inv) : int8_t{0};
+      const int8_t v = finite ? q8_round(act_f(xb[k]) * inv) : int8_t{0};
       const int pos = fmt == 0 ? k : 8 * (k / 8) + kQ4Perm[k % 8];
       xq[b * 32 + pos] = v;
       s += v;
@@ -944,7 +958,7 @@ inline int xq_at(int fmt, const int8_t* xqr, int64_t b, int k) {
 }
 
 void gemm_q8_ref(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
-                 uint16_t* out, const float* bias) {
+                 void* out, bool out_f32, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -964,7 +978,7 @@ void gemm_q8_ref(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc
           if (fmt_min(fmt)) acc = std::fma(a.xs[m * nb + b], scale_at(fmt, gs, b, 1, c), acc);
         }
         if (bias) acc += bias[n];
-        out[m * N + n] = f_to_bf16(acc);
+        store_out(out, out_f32, m * N + n, acc);
       }
     }
   });
@@ -1226,17 +1240,222 @@ void gemm_q8_vnni(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* s
 }
 #endif
 
+#if defined(TINYVLLM_QGEMM_AVX2)
+// ---------------------------------------------------------------------------------------------
+// int8 activations on AVX2 (gemm_q8_avx2): the arithmetic above with VPMADDUBSW / VPMADDWD (llama.cpp's
+// AVX2 ggml_vec_dot_q4_1_q8_1 multiplies the same way), for CPUs without AVX512-VNNI (AMD Zen 1-3,
+// Intel before Ice Lake) and for float32 activations everywhere. Every integer sum is exact, so the
+// result is gemm_gguf_q8_ref's bit for bit:
+//   Q4, Q4_K: chunk j's 32 bytes hold, per column c, the nibble pairs (k = 4j, 4j+1) (low nibbles of
+//     bytes 2c, 2c+1) and (4j+2, 4j+3) (high nibbles). VPMADDUBSW (u8 nibble x s8 activation, adjacent
+//     pairs summed into int16 lane c) against the broadcast activation pair: |lane| <= 2 * 15 * 127,
+//     and each of a block's two int16 sums (low, high) adds 8 of them: <= 30480, no saturation. At the
+//     block's end the two are interleaved and summed pairwise into int32 by VPMADDWD with ones.
+//   Q8_0: row kp's 16 bytes per 8 columns, sign-extended to int16, VPMADDWD against the broadcast int16
+//     activation pair (x[2kp], x[2kp+1]): int32 lane c = q[c][2kp] x[2kp] + q[c][2kp+1] x[2kp+1], exact
+//     for every q including -128 (no u8 trick, so no correction term).
+// A work item is 32 columns (two groups) and sweeps its rows two at a time over its weights (<= 24 KB
+// per item at K = 1536: L1/L2), so a decode step reads each weight once and a prefill re-reads it
+// from cache.
+
+constexpr int kQ8Avx2Rows = 2;
+
+// 32 activations as 4 x 8 fp32 (bf16 widened exactly, or float32 as it is).
+template <typename T>
+inline void avx2_load32(const T* x, __m256* v) {
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      v[i] = _mm256_loadu_ps(x + 8 * i);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * i));
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+// quantize_row_ref's bytes (fp32 multiply, VCVTPS2DQ rounds to nearest even under the default MXCSR),
+// eight lanes at a time; the int8 packing restores the natural k order, then the Q4 nibble order.
+template <typename T>
+void quantize_row_avx2(const T* x, int64_t K, int fmt, int8_t* xq, float* dx, float* xs, int32_t* xc) {
+  const int64_t nb = K / kQBlock;
+  const __m256 sign = _mm256_set1_ps(-0.0f), fmax = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i q4perm = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15,
+                                          0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4], a[4];
+    avx2_load32(x + b * 32, v);
+    int bad = 0;
+    for (int i = 0; i < 4; ++i) {
+      a[i] = _mm256_andnot_ps(sign, v[i]);
+      bad |= _mm256_movemask_ps(_mm256_cmp_ps(a[i], fmax, _CMP_NLE_UQ));
+    }
+    const bool finite = bad == 0;
+    float amax = 0.0f;
+    if (finite) {
+      const __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_movehdup_ps(h));
+      amax = _mm_cvtss_f32(h);
+    }
+    float inv;
+    q8_block_scale(amax, finite, dx + b, &inv);
+    __m256i packed = _mm256_setzero_si256();
+    int32_t s = 0;
+    if (finite) {
+      const __m256 iv = _mm256_set1_ps(inv);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], iv));
+      const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+      h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+      s = _mm_cvtsi128_si32(h);
+      const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      packed = _mm256_permutevar8x32_epi32(p8, order);  // |q| <= 127: the packs never saturate
+      if (fmt != 0) packed = _mm256_shuffle_epi8(packed, q4perm);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * 32), packed);
+    if (xc) xc[b] = 128 * s;
+    if (xs) xs[b] = dx[b] * static_cast<float>(s);
+  }
+}
+
+// Rows r0 .. r0+R-1 x NG groups over every block; acc [R][32] fp32 (zeroed by the caller) gets the
+// header's per-block folds in b order. xq16: the int16 activations in natural k order (Q8_0).
+template <int R, int NG, int FMT>
+void q8_avx2_tile(const ActQ8& a, const int16_t* xq16, int64_t K, int64_t nb, int64_t r0,
+                  const uint8_t* const* gq, const uint8_t* const* gs, float* acc) {
+  alignas(32) float scv[2 * kAvx2Cols];
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[R][2 * NG];
+    if constexpr (FMT == 0) {
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 2 * NG; ++v) isum[r][v] = _mm256_setzero_si256();
+      for (int kp = 0; kp < 16; ++kp) {
+        __m256i w[2 * NG];
+        for (int g = 0; g < NG; ++g) {
+          const __m128i* src = reinterpret_cast<const __m128i*>(gq[g] + b * 512 + kp * 32);
+          w[2 * g] = _mm256_cvtepi8_epi16(_mm_loadu_si128(src));
+          w[2 * g + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq16 + (r0 + r) * K + b * 32 + 2 * kp, sizeof(pair));
+          const __m256i xv = _mm256_set1_epi32(pair);
+          for (int v = 0; v < 2 * NG; ++v) isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(w[v], xv));
+        }
+      }
+    } else {
+      __m256i lo[R][NG], hi[R][NG];
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < NG; ++g) lo[r][g] = hi[r][g] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        __m256i wl[NG], wh[NG];
+        for (int g = 0; g < NG; ++g) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[g] + b * 256 + j * 32));
+          wl[g] = _mm256_and_si256(v, nib);
+          wh[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        const int pl = 8 * (j >> 1) + 2 * (j & 1);  // k = 4j, 4j+1 in the Q4 nibble order; 4j+2, 4j+3 at pl + 4
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = a.xq.data() + (r0 + r) * K + b * 32;
+          int16_t pl2, ph2;
+          std::memcpy(&pl2, xr + pl, 2);
+          std::memcpy(&ph2, xr + pl + 4, 2);
+          const __m256i xl = _mm256_set1_epi16(pl2), xh = _mm256_set1_epi16(ph2);
+          for (int g = 0; g < NG; ++g) {
+            lo[r][g] = _mm256_add_epi16(lo[r][g], _mm256_maddubs_epi16(wl[g], xl));
+            hi[r][g] = _mm256_add_epi16(hi[r][g], _mm256_maddubs_epi16(wh[g], xh));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < NG; ++g) {  // columns {0-3, 8-11} and {4-7, 12-15}, then back to 0-7, 8-15
+          const __m256i p = _mm256_madd_epi16(_mm256_unpacklo_epi16(lo[r][g], hi[r][g]), ones);
+          const __m256i q = _mm256_madd_epi16(_mm256_unpackhi_epi16(lo[r][g], hi[r][g]), ones);
+          isum[r][2 * g] = _mm256_permute2x128_si256(p, q, 0x20);
+          isum[r][2 * g + 1] = _mm256_permute2x128_si256(p, q, 0x31);
+        }
+    }
+    avx2_block_scales(FMT, gs, NG, b, scv);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dxr = _mm256_set1_ps(a.dx[(r0 + r) * nb + b]);
+      for (int v = 0; v < 2 * NG; ++v) {
+        float* ac = acc + r * kAvx2Cols + 8 * v;
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(scv + 8 * v), dxr);
+        __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][v]), s, _mm256_loadu_ps(ac));
+        if constexpr (fmt_min(FMT))
+          t = _mm256_fmadd_ps(_mm256_set1_ps(a.xs[(r0 + r) * nb + b]), _mm256_loadu_ps(scv + kAvx2Cols + 8 * v), t);
+        _mm256_storeu_ps(ac, t);
+      }
+    }
+  }
+}
+
+using Q8Avx2Fn = void (*)(const ActQ8&, const int16_t*, int64_t, int64_t, int64_t, const uint8_t* const*,
+                          const uint8_t* const*, float*);
+
+template <int FMT>
+Q8Avx2Fn q8_avx2_pick(int r, int ng) {
+  static const Q8Avx2Fn fns[2][2] = {{&q8_avx2_tile<1, 1, FMT>, &q8_avx2_tile<1, 2, FMT>},
+                                     {&q8_avx2_tile<2, 1, FMT>, &q8_avx2_tile<2, 2, FMT>}};
+  return fns[r - 1][ng - 1];
+}
+
+void gemm_q8_avx2(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
+                  void* out, bool out_f32, const float* bias) {
+  const int64_t nb = K / kQBlock, G = ceil_div(N, kGroup), items = ceil_div(G, 2);
+  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
+  std::vector<int16_t> xq16;
+  if (fmt == 0) xq16.assign(a.xq.begin(), a.xq.end());
+  tv_pool::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    alignas(32) float acc[kQ8Avx2Rows * kAvx2Cols];
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t g0 = 2 * it;
+      const int ng = g0 + 1 < G ? 2 : 1;
+      const uint8_t* gq[2] = {qs + g0 * gq_stride, qs + (g0 + ng - 1) * gq_stride};
+      const uint8_t* gs[2] = {sc + g0 * gs_stride, sc + (g0 + ng - 1) * gs_stride};
+      const int64_t c0 = g0 * kGroup, cols = std::min<int64_t>(16 * ng, N - c0);
+      for (int64_t r0 = 0; r0 < M; r0 += kQ8Avx2Rows) {
+        const int R = static_cast<int>(std::min<int64_t>(kQ8Avx2Rows, M - r0));
+        std::fill(acc, acc + R * kAvx2Cols, 0.0f);
+        Q8Avx2Fn fn = fmt == 0 ? q8_avx2_pick<0>(R, ng) : fmt == 1 ? q8_avx2_pick<1>(R, ng) : q8_avx2_pick<2>(R, ng);
+        fn(a, xq16.data(), K, nb, r0, gq, gs, acc);
+        for (int r = 0; r < R; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            float v = acc[r * kAvx2Cols + c];
+            if (bias) v += bias[c0 + c];
+            store_out(out, out_f32, (r0 + r) * N + c0 + c, v);
+          }
+      }
+    }
+  });
+}
+#endif
+
 struct Prepared {
   torch::Tensor x2, out, xs, bias_f;
   int64_t M = 0, ldx = 0;
+  bool f32 = false;  // x (and so the output) float32 instead of bf16
   std::vector<int64_t> out_shape;
 };
+
+// Calls f(pointer to row 0 of x) with x's element type (uint16_t bf16 bits or float).
+template <typename F>
+auto with_x(const Prepared& p, const F& f) {
+  if (p.f32) return f(p.x2.data_ptr<float>());
+  return f(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()));
+}
 
 // block_sums: also the fixed-order sums of each row's 32-blocks (gemm_gguf's Q4, Q4_K fold).
 Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& scales, int64_t fmt, int64_t N,
                  int64_t K, const c10::optional<torch::Tensor>& bias, bool block_sums = true) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "gemm_gguf: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1), 2 (Q4_K) or 3 (Q6_K)");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.device().is_cpu(), "gemm_gguf: x must be a CPU bfloat16 tensor");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
+              "gemm_gguf: x must be a CPU bfloat16 or float32 tensor");
   TORCH_CHECK(K % kQBlock == 0 && x.dim() >= 1 && x.size(-1) == K, "gemm_gguf: x must be [..., K], K % 32 == 0");
   const int64_t G = ceil_div(N, kGroup), nb = K / kQBlock;
   TORCH_CHECK(qs.is_contiguous() && qs.numel() * qs.element_size() == G * nb * qs_block_bytes(fmt),
@@ -1247,6 +1466,7 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
               scales.numel() * scales.element_size() == G * nb * sc_group_block_bytes(static_cast<int>(fmt)),
               "gemm_gguf: scales must be float16 (fmt 0, 1) or uint8 (fmt 2, 3) matching (N, K, fmt)");
   Prepared p;
+  p.f32 = x.scalar_type() == at::kFloat;
   p.out_shape.assign(x.sizes().begin(), x.sizes().end());
   p.out_shape.back() = N;
   p.x2 = x.dim() == 2 ? x : x.reshape({-1, K});
@@ -1260,12 +1480,14 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
   }
   if (block_sums && fmt_min(static_cast<int>(fmt)) && p.M > 0) {
     p.xs = torch::empty({p.M, nb}, x.options().dtype(at::kFloat));
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
     float* xsp = p.xs.data_ptr<float>();
     const int64_t ldx = p.ldx;
-    tv_pool::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t b = 0; b < nb; ++b) xsp[m * nb + b] = block_sum_scalar(xp + m * ldx + b * 32);
+    with_x(p, [&](const auto* xp) {
+      tv_pool::parallel_for(0, p.M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          for (int64_t b = 0; b < nb; ++b) xsp[m * nb + b] = block_sum_scalar(xp + m * ldx + b * 32);
+      });
+      return 0;
     });
   }
   return p;
@@ -1274,28 +1496,53 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
 }  // namespace
 
 namespace {
-// gemm_gguf_q8's activations: quantized by the vector loop where it is built (same bytes as the
-// scalar loop), else by the scalar loop.
-ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, bool vec) {
+// Which gemm_gguf_q8 kernel runs a call: VNNI for bf16 where built; AVX2 (float32 always, bf16 where
+// VNNI is not built); the scalar loop where neither is (or for the _ref entry point).
+enum class Q8Kernel { kRef, kAvx2, kVnni };
+
+Q8Kernel q8_kernel(bool f32, bool ref) {
+  if (ref) return Q8Kernel::kRef;
+#if defined(TINYVLLM_QGEMM_VNNI)
+  if (!f32) return Q8Kernel::kVnni;
+#endif
+#if defined(TINYVLLM_QGEMM_AVX2)
+  return Q8Kernel::kAvx2;
+#else
+  (void)f32;
+  return Q8Kernel::kRef;
+#endif
+}
+
+// gemm_gguf_q8's activations, quantized by the kernel's vector loop (the same bytes as the scalar
+// loop) or by the scalar loop.
+ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, Q8Kernel kind) {
   const int64_t nb = K / kQBlock, M = p.M, ldx = p.ldx;
   ActQ8 a;
   a.xq.resize(static_cast<size_t>(M * K));
   a.dx.resize(static_cast<size_t>(M * nb));
   if (fmt == 0) a.xc.resize(static_cast<size_t>(M * nb));
   if (fmt_min(fmt)) a.xs.resize(static_cast<size_t>(M * nb));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
-  tv_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      int8_t* xq = a.xq.data() + m * K;
-      float* dx = a.dx.data() + m * nb;
-      int32_t* xc = fmt == 0 ? a.xc.data() + m * nb : nullptr;
-      float* xs = fmt_min(fmt) ? a.xs.data() + m * nb : nullptr;
+  with_x(p, [&](const auto* xp) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
+    tv_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        int8_t* xq = a.xq.data() + m * K;
+        float* dx = a.dx.data() + m * nb;
+        int32_t* xc = fmt == 0 ? a.xc.data() + m * nb : nullptr;
+        float* xs = fmt_min(fmt) ? a.xs.data() + m * nb : nullptr;
 #if defined(TINYVLLM_QGEMM_VNNI)
-      if (vec) { quantize_row_vnni(xp + m * ldx, K, fmt, xq, dx, xs, xc); continue; }
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (kind == Q8Kernel::kVnni) { quantize_row_vnni(xp + m * ldx, K, fmt, xq, dx, xs, xc); continue; }
+        }
 #endif
-      (void)vec;
-      quantize_row_ref(xp + m * ldx, K, fmt, xq, dx, xs, xc);
-    }
+#if defined(TINYVLLM_QGEMM_AVX2)
+        if (kind == Q8Kernel::kAvx2) { quantize_row_avx2(xp + m * ldx, K, fmt, xq, dx, xs, xc); continue; }
+#endif
+        (void)kind;
+        quantize_row_ref(xp + m * ldx, K, fmt, xq, dx, xs, xc);
+      }
+    });
+    return 0;
   });
   return a;
 }
@@ -1305,22 +1552,25 @@ torch::Tensor gemm_q8_impl(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
   TORCH_CHECK(fmt >= 0 && fmt <= 2, "gemm_gguf_q8: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1) or 2 (Q4_K); Q6_K runs on gemm_gguf");
   Prepared p = prepare(x, qs, scales, fmt, N, K, bias, /*block_sums=*/false);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
-  bool vec = !ref;
-#if !defined(TINYVLLM_QGEMM_VNNI)
-  vec = false;
-#endif
-  const ActQ8 a = quantize_acts(p, static_cast<int>(fmt), K, vec);
-  uint16_t* op = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
+  const Q8Kernel kind = q8_kernel(p.f32, ref);
+  const ActQ8 a = quantize_acts(p, static_cast<int>(fmt), K, kind);
+  void* op = p.out.data_ptr();
   const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
   const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
 #if defined(TINYVLLM_QGEMM_VNNI)
-  if (vec) {
-    gemm_q8_vnni(a, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+  if (kind == Q8Kernel::kVnni) {
+    gemm_q8_vnni(a, p.M, q, s, static_cast<int>(fmt), N, K, static_cast<uint16_t*>(op), bp);
     return p.out.view(p.out_shape);
   }
 #endif
-  gemm_q8_ref(a, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+#if defined(TINYVLLM_QGEMM_AVX2)
+  if (kind == Q8Kernel::kAvx2) {
+    gemm_q8_avx2(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.f32, bp);
+    return p.out.view(p.out_shape);
+  }
+#endif
+  gemm_q8_ref(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.f32, bp);
   return p.out.view(p.out_shape);
 }
 }  // namespace
@@ -1338,6 +1588,8 @@ torch::Tensor gemm_gguf_q8_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor 
 std::string gemm_gguf_q8_isa() {
 #if defined(TINYVLLM_QGEMM_VNNI)
   return "avx512_vnni";
+#elif defined(TINYVLLM_QGEMM_AVX2)
+  return "avx2";
 #else
   return "scalar";
 #endif
@@ -1347,19 +1599,27 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
                         c10::optional<torch::Tensor> bias) {
   Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>());
+  void* op = p.out.data_ptr();
   const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
   const float* xsp = p.xs.defined() ? p.xs.data_ptr<float>() : nullptr;
   const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
+  const int f = static_cast<int>(fmt);
 #if defined(TINYVLLM_QGEMM_AVX512)
-  gemm_avx512(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
-#elif defined(TINYVLLM_QGEMM_AVX2)
-  gemm_avx2(xp, p.ldx, p.M, xsp, q, s, static_cast<int>(fmt), N, K, op, bp);
-#else
-  gemm_ref(xp, p.ldx, p.M, q, s, static_cast<int>(fmt), N, K, op, bp);
+  if (!p.f32) {
+    gemm_avx512(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()), p.ldx, p.M, xsp, q, s, f, N, K,
+                static_cast<uint16_t*>(op), bp);
+    return p.out.view(p.out_shape);
+  }
 #endif
+  with_x(p, [&](const auto* xp) {
+#if defined(TINYVLLM_QGEMM_AVX2)
+    gemm_avx2(xp, p.ldx, p.M, xsp, q, s, f, N, K, op, p.f32, bp);
+#else
+    gemm_ref(xp, p.ldx, p.M, q, s, f, N, K, op, p.f32, bp);
+#endif
+    return 0;
+  });
   return p.out.view(p.out_shape);
 }
 
@@ -1367,10 +1627,12 @@ torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
                             int64_t K, c10::optional<torch::Tensor> bias) {
   Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
-  gemm_ref(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()), p.ldx, p.M,
-           static_cast<const uint8_t*>(qs.data_ptr()), static_cast<const uint8_t*>(scales.data_ptr()),
-           static_cast<int>(fmt), N, K, reinterpret_cast<uint16_t*>(p.out.data_ptr<at::BFloat16>()),
-           p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
+  with_x(p, [&](const auto* xp) {
+    gemm_ref(xp, p.ldx, p.M, static_cast<const uint8_t*>(qs.data_ptr()), static_cast<const uint8_t*>(scales.data_ptr()),
+             static_cast<int>(fmt), N, K, p.out.data_ptr(), p.f32,
+             p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
+    return 0;
+  });
   return p.out.view(p.out_shape);
 }
 
