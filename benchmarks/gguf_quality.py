@@ -7,7 +7,9 @@ dequantized float32 model, on 20 chat prompts (the 6 of tests/conftest.py's CHAT
 
 Variants: ``bf16`` (dequantized at load, ``--quantization none``) and ``native`` (``--quantization gguf``)
 with each of its activation arithmetics (``TINYVLLM_GGUF_ACTIVATIONS=int8``, then ``bf16``; int8 only
-where its VNNI kernel is built), each against ``float32`` (``--quantization none --dtype float32``).
+where a vector int8 kernel is built, AVX512-VNNI or AVX2), in a bfloat16 and then a float32 model
+(``--dtype float32``: the activations reach the kernels unrounded and their outputs stay float32), each
+against ``float32`` (``--quantization none --dtype float32``).
 Per prompt, up to ``--positions`` full-vocabulary next-token distributions (captured from
 ``compute_logits``): at the end of the prompt, then after each of the first tokens of float32's own
 greedy continuation, fed to every variant as prompt tokens (teacher forcing, as llama.cpp's
@@ -152,9 +154,13 @@ def main() -> None:
     from tinyvllm.model import gguf_quant
 
     variants = {"bf16 (dequantized)": (dict(dtype="bfloat16", quantization="none"), None)}
-    if cpu_kernels().gemm_gguf_q8_isa() == "avx512_vnni":
+    int8 = cpu_kernels().gemm_gguf_q8_isa() != "scalar"  # a vector int8 kernel (AVX512-VNNI or AVX2)
+    if int8:
         variants["native, int8 activations"] = (dict(dtype="bfloat16", quantization="gguf"), "int8")
     variants["native, bf16 activations"] = (dict(dtype="bfloat16", quantization="gguf"), "bf16")
+    if int8:  # a float32 model: the int8 quantizer reads float32 (llama.cpp's arithmetic)
+        variants["native float32, int8 acts"] = (dict(dtype="float32", quantization="gguf"), "int8")
+    variants["native float32, f32 acts"] = (dict(dtype="float32", quantization="gguf"), "bf16")
     for name, (kw, acts) in variants.items():
         if acts is not None:
             os.environ["TINYVLLM_GGUF_ACTIVATIONS"] = acts

@@ -19,13 +19,13 @@ KERN = cpu_kernels()
 pytestmark = pytest.mark.skipif(KERN is None, reason="C++ kernels could not be built")
 
 PATHS = ((["amx"] if KERN is not None and KERN.has_amx_attention() else [])
-         + (["vector", "scalar"] if KERN is not None and KERN.has_avx512() else ["scalar"]))
+         + (["vector", "scalar"] if KERN is not None and KERN.vector_kernels_isa() != "none" else ["scalar"]))
 
 
 @pytest.fixture(params=PATHS)
 def path(request):
     """amx: the tiled attention on AMX tiles; vector: AVX-512 (tiled attention on vdpbf16ps for a bf16
-    cache with AVX512_BF16); scalar: the portable loops."""
+    cache with AVX512_BF16), or AVX2 + FMA where AVX-512 is missing; scalar: the portable loops."""
     KERN.set_vector_kernels(request.param != "scalar")
     KERN.set_amx_attention(request.param == "amx")
     yield request.param
@@ -382,7 +382,7 @@ def test_gemm_amx_switch_selects_another_kernel():
     torch.testing.assert_close(amx.float(), dp.float(), rtol=2 ** -7, atol=2 ** -7 * float(amx.float().abs().max()))
 
 
-@pytest.mark.skipif(KERN is None or not KERN.has_avx512(), reason="vector kernels not built on this CPU")
+@pytest.mark.skipif(KERN is None or KERN.vector_kernels_isa() == "none", reason="vector kernels not built on this CPU")
 def test_vector_bf16_rounding_keeps_nan_and_matches_torch():
     """SiLU's vector body rounds to bf16 like torch (round to nearest even) and keeps NaN a NaN."""
     x = torch.randn(2, 64).bfloat16()

@@ -31,6 +31,7 @@ def test_cpu_kernels_build_where_they_can():
     assert kern is not None, "the C++ kernels failed to build on a machine with a compiler (see the warning log)"
     flags = _cpu_flags()
     assert kern.has_avx512() == ("avx512f" in flags)
+    assert kern.vector_kernels_isa() == ("avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "none")
     assert kern.gemm_has_bf16_kernel() == ("avx512_bf16" in flags)
     # the GGUF linear's vector kernel: AVX512-BF16, else AVX2 + FMA + F16C (AMD Zen 1-3, older Intel)
     want = ("avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512vl", "f16c"} <= flags

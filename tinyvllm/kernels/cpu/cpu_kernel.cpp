@@ -8,10 +8,12 @@
 // cache (batch invariance). Two passes over the context: scores, then max / exp / sum and
 // the weighted sum of V in position order.
 //
-// Two implementations: AVX-512 (attention_avx512, silu's vector body; chosen when the
-// compiler targets AVX-512 and the head size is 16/32/64/96/128) and portable scalar loops
-// (attention_scalar; also what set_vector_kernels(false) selects, for tests). They differ in
-// the last bits from each other, but each is batch invariant on its own.
+// Three implementations: AVX-512 (attention_avx512, silu's vector body; chosen when the
+// compiler targets AVX-512 and the head size is 16/32/64/96/128), AVX2 + FMA where AVX-512 is
+// missing (attention_avx2 and the same vector bodies on 8 lanes) and portable scalar loops
+// (attention_scalar; also what set_vector_kernels(false) selects, for tests). Attention and SiLU
+// differ in the last bits between the vector and scalar paths (RMSNorm's are identical), but each
+// is batch invariant on its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
@@ -922,6 +924,223 @@ double amx_dot_ceiling_impl(int64_t iters) {
 #endif  // __AVX512BF16__
 #endif  // TINYVLLM_AVX512
 
+#if !defined(TINYVLLM_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define TINYVLLM_AVX2 1
+// ---------------------------------------------------------------------------------------------
+// AVX2 + FMA paged attention (CPUs without AVX-512: AMD Zen 1-3, older Intel), the row kernel of the
+// AVX-512 section with 8-lane vectors: a work item is (tile of up to kTileRows2 consecutive query
+// rows of one sequence, KV head); scores for 8 positions come from 8 per-position lane vectors (D/8
+// FMAs each) folded by one fixed add network (hsum8x8); softmax with the same Cephes exp polynomial;
+// P V in position order with FMAs. Each query row's result is a fixed sequence of operations over its
+// own context (batch, chunk and prefix-cache invariant, as the other paths); it is not the scalar
+// loop's sequence (FMAs, another exp), so its bits differ from the scalar path's.
+
+constexpr int kTileRows2 = 8;
+constexpr int kMaxGroup2 = 16;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// Round 8 floats to bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule).
+inline __m128i to_bf16_bits8(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(c10::BFloat16* p, __m256 x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits8(x)); }
+inline __m256 round8(float*, __m256 x) { return x; }
+inline __m256 round8(c10::BFloat16*, __m256 x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits8(x)), 16));
+}
+
+// out[i] = sum of the 8 lanes of v[i], i = 0..7, by a fixed add tree (pairs, then quads, then halves).
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Fixed-order sum of the 8 lanes of one vector (pairwise halves).
+inline float hsum8(__m256 v) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, v);
+  for (int w = 4; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) l[i] += l[i + w];
+  return l[0];
+}
+
+// exp(x) lane-wise, clamped to [-87.3, 88.3]: exp16's operations on 8 lanes.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  const __m256 z = _mm256_mul_ps(r, r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0f));
+  const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+// Lanes 0..n-1 all ones (n = 0..8).
+inline __m256 lane_mask8(int64_t n) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+template <typename C, int ND, int NH>
+inline void pv_accumulate8(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
+                           int64_t hk, int64_t n, float* res) {
+  constexpr int D = ND * 8;
+  __m256 acc[NH][ND];
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < ND; ++v) acc[h][v] = _mm256_setzero_ps();
+  int64_t blk = 0, off = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
+    if (++off == bs) off = 0, ++blk;
+    __m256 vv[ND];
+    for (int v = 0; v < ND; ++v) vv[v] = load8(row + v * 8);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 pj = _mm256_set1_ps(probs[h][j]);
+      for (int v = 0; v < ND; ++v) acc[h][v] = _mm256_fmadd_ps(pj, vv[v], acc[h][v]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int v = 0; v < ND; ++v) _mm256_storeu_ps(res + h * D + v * 8, acc[h][v]);
+}
+
+template <typename C, typename O, int ND>
+void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                    const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                    const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+  constexpr int D = ND * 8;
+  const int64_t num_tokens = q.size(0), Hq = q.size(1);
+  const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
+  const int64_t G = Hq / Hk;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const C* kp = key_cache.data_ptr<C>();
+  const C* vp = value_cache.data_ptr<C>();
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* seqp = token_seq.data_ptr<int64_t>();
+  const int64_t* posp = token_pos.data_ptr<int64_t>();
+  O* op = out.data_ptr<O>();
+  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
+  alignas(32) static const C zero_row[D] = {};
+
+  std::vector<int64_t> tile_start;  // runs of up to kTileRows2 tokens of one sequence at consecutive positions
+  for (int64_t t = 0; t < num_tokens;) {
+    tile_start.push_back(t);
+    int64_t e = t + 1;
+    while (e < num_tokens && e - t < kTileRows2 && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    t = e;
+  }
+  tile_start.push_back(num_tokens);
+  const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
+
+  tv_pool::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item / Hk, hk = item % Hk;
+      const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
+      const int64_t* bt = btp + seqp[t0] * max_blocks;
+      const int64_t ctx_max = posp[t0 + rows - 1] + 1;
+      const int64_t nchunks = (ctx_max + 7) / 8, stride = nchunks * 8, pairs = rows * G;
+      scores.resize(pairs * stride);
+      int64_t ctx[kTileRows2 * kMaxGroup2];
+      const float* qrow[kTileRows2 * kMaxGroup2];
+      for (int64_t p = 0; p < pairs; ++p) {
+        ctx[p] = posp[t0 + p / G] + 1;
+        qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
+      }
+      // Pass 1: scores = (q . k) * scale, 8 positions at a time (a zero row past the tile's context).
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t j0 = c * 8;
+        const C* krow[8];
+        int64_t blk = j0 / bs, off = j0 % bs;
+        for (int jj = 0; jj < 8; ++jj) {
+          if (j0 + jj < ctx_max) {
+            krow[jj] = kp + ((bt[blk] * bs + off) * Hk + hk) * D;
+            if (++off == bs) off = 0, ++blk;
+          } else {
+            krow[jj] = zero_row;
+          }
+        }
+        for (int64_t p = 0; p < pairs; ++p) {
+          if (ctx[p] <= j0) continue;
+          __m256 qv[ND];
+          for (int v = 0; v < ND; ++v) qv[v] = _mm256_loadu_ps(qrow[p] + v * 8);
+          __m256 part[8];
+          for (int jj = 0; jj < 8; ++jj) {
+            __m256 a = _mm256_mul_ps(qv[0], load8(krow[jj]));
+            for (int v = 1; v < ND; ++v) a = _mm256_fmadd_ps(qv[v], load8(krow[jj] + v * 8), a);
+            part[jj] = a;
+          }
+          _mm256_storeu_ps(scores.data() + p * stride + j0, _mm256_mul_ps(hsum8x8(part), vscale));
+        }
+      }
+      // Softmax per pair: max, exp, fixed-order sum; probabilities overwrite the scores.
+      float inv[kTileRows2 * kMaxGroup2];
+      for (int64_t p = 0; p < pairs; ++p) {
+        float* s = scores.data() + p * stride;
+        const int64_t n = ctx[p], full = n / 8, tail = n % 8;
+        const __m256 tmask = lane_mask8(tail), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        __m256 mv = ninf;
+        for (int64_t c = 0; c < full; ++c) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c * 8));
+        if (tail) mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + full * 8), tmask));
+        alignas(32) float ml[8];
+        _mm256_store_ps(ml, mv);
+        float mx = ml[0];
+        for (int i = 1; i < 8; ++i) mx = ml[i] > mx ? ml[i] : mx;
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
+          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c * 8), m));
+          if (c == full) e = _mm256_and_ps(e, tmask);
+          _mm256_storeu_ps(s + c * 8, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        inv[p] = 1.0f / hsum8(sum);
+      }
+      // Pass 2: weighted sum of V in position order, up to 4 heads of the GQA group sharing each V row.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = ctx[r * G];
+        for (int64_t h0 = 0; h0 < G; h0 += 4) {
+          const int nh = static_cast<int>(std::min<int64_t>(4, G - h0));
+          const float* probs[4];
+          for (int i = 0; i < nh; ++i) probs[i] = scores.data() + (r * G + h0 + i) * stride;
+          alignas(32) float res[4 * D];
+          switch (nh) {
+            case 1: pv_accumulate8<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 2: pv_accumulate8<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 3: pv_accumulate8<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            default: pv_accumulate8<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res); break;
+          }
+          for (int i = 0; i < nh; ++i) {
+            const __m256 iv = _mm256_set1_ps(inv[r * G + h0 + i]);
+            O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
+            for (int v = 0; v < ND; ++v) store8(orow + v * 8, _mm256_mul_ps(_mm256_loadu_ps(res + i * D + v * 8), iv));
+          }
+        }
+      }
+    }
+  });
+}
+#endif  // TINYVLLM_AVX2
+
 // Paged attention over the packed batch: the AVX-512 kernel when the head size allows it.
 template <typename C, typename O>
 void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -948,6 +1167,18 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
       case 64: return attention_avx512<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
       case 96: return attention_avx512<C, O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
       case 128: return attention_avx512<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      default: break;
+    }
+  }
+#endif
+#if defined(TINYVLLM_AVX2)
+  if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup2) {
+    switch (q.size(2)) {
+      case 16: return attention_avx2<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 32: return attention_avx2<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 64: return attention_avx2<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 96: return attention_avx2<C, O, 12>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 128: return attention_avx2<C, O, 16>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
       default: break;
     }
   }
@@ -1015,6 +1246,22 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
         }
         _mm512_store_ps(lanes, acc);
       }
+#elif defined(TINYVLLM_AVX2)
+      // The same arithmetic on two 8-lane halves of the 16 lanes: identical bits to the scalar loops.
+      if (g_vector_kernels) {
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; i + kLanes <= H; i += kLanes) {
+          for (int e = 0; e < 2; ++e) {
+            __m256 v = load8(xp + t * H + i + 8 * e);
+            if (rp) v = round8(rop, _mm256_add_ps(v, load8(rp + t * H + i + 8 * e)));
+            _mm256_storeu_ps(h.data() + i + 8 * e, v);
+            store8(rop + t * H + i + 8 * e, v);
+            acc[e] = _mm256_add_ps(acc[e], _mm256_mul_ps(v, v));
+          }
+        }
+        _mm256_storeu_ps(lanes, acc[0]);
+        _mm256_storeu_ps(lanes + 8, acc[1]);
+      }
 #endif
       const int64_t vec_end = i;
       for (int64_t j = i; j < H; ++j) {
@@ -1034,6 +1281,10 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
       const __m512 vinv = _mm512_set1_ps(inv);
       for (; j < vec_end; j += kLanes)
         store16(op + t * H + j, _mm512_mul_ps(load16(wp + j), round16(op, _mm512_mul_ps(_mm512_loadu_ps(h.data() + j), vinv))));
+#elif defined(TINYVLLM_AVX2)
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (; j < vec_end; j += 8)
+        store8(op + t * H + j, _mm256_mul_ps(load8(wp + j), round8(op, _mm256_mul_ps(_mm256_loadu_ps(h.data() + j), vinv))));
 #endif
       for (; j < H; ++j)
         op[t * H + j] = from_f<C>(to_f(wp[j]) * round_to<C>(h[j] * inv));
@@ -1059,6 +1310,15 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
           const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
           const __m512 silu = round16(op, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
           store16(op + t * I + i, _mm512_mul_ps(silu, load16(u + i)));
+        }
+      }
+#elif defined(TINYVLLM_AVX2)
+      if (g_vector_kernels) {  // the AVX-512 body's operations on 8 lanes
+        for (; i + 8 <= I; i += 8) {
+          const __m256 gv = load8(g + i);
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+          const __m256 silu = round8(op, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+          store8(op + t * I + i, _mm256_mul_ps(silu, load8(u + i)));
         }
       }
 #endif
@@ -1294,6 +1554,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     for (size_t i = 0; i < c.size(); ++i) cp[i] = c[i].load();
     return std::make_tuple(counts, aligned.load(), rethrown);
   }, py::arg("begin"), py::arg("end"), py::arg("grain"), py::arg("reps"));
+  m.def("vector_kernels_isa", []() {
+#if defined(TINYVLLM_AVX512)
+    return std::string("avx512");
+#elif defined(TINYVLLM_AVX2)
+    return std::string("avx2");
+#else
+    return std::string("none");
+#endif
+  }, "which vector paths attention, RMSNorm and SiLU have: avx512, avx2 (AVX2 + FMA, no AVX-512) or none");
   m.def("has_avx512", []() {
 #if defined(TINYVLLM_AVX512)
     return true;
