@@ -1,20 +1,22 @@
 // Batch-invariant linear layer on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), bf16
-// activations: y = x @ W^T (+ bias) with W kept in its 4/6/8-bit blocks, repacked once at load
-// (tinyvllm/model/gguf_quant.py) into the layout below.
+// or float32 activations: y = x @ W^T (+ bias) with W kept in its 4/6/8-bit blocks, repacked once at
+// load (tinyvllm/model/gguf_quant.py) into the layout below.
 //
 // Interface (bound by the pybind module in cpu_kernel.cpp):
 //
-//   // x: [..., K] bf16 (K a multiple of 32). qs, scales: the repacked weight (layout below) of an
-//   // [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d), 2 = Q4_K (as 1
-//   // with fp32 d, m per 32: d = d_super*sc_j, m = -dmin_super*m_j), 3 = Q6_K (the 6-bit q-32 and
-//   // one fp32 scale d_super*sc_j per 16). Returns [..., N] bf16, each element rounded
-//   // once (RNE) from the fp32 value defined under "Arithmetic".
+//   // x: [..., K] bf16 or float32 (K a multiple of 32). qs, scales: the repacked weight (layout
+//   // below) of an [N, K] matrix. fmt: 0 = Q8_0 (w = d*q), 1 = Q4 (w = d*q + m; Q4_0 is m = -8d), 2 =
+//   // Q4_K (as 1 with fp32 d, m per 32: d = d_super*sc_j, m = -dmin_super*m_j), 3 = Q6_K (the 6-bit
+//   // q-32 and one fp32 scale d_super*sc_j per 16). Returns [..., N] in x's dtype: bf16 rounded
+//   // once (RNE) from the fp32 value defined under "Arithmetic", or that fp32 value itself. Errors
+//   // (RuntimeError): another dtype or device, K % 32 != 0, qs/scales not matching (N, K, fmt).
 //   torch::Tensor gemm_gguf(x, qs, scales, fmt, N, K, bias = None);
 //   torch::Tensor gemm_gguf_ref(...)   // same arguments; the portable scalar loop (tests)
 //   std::string gemm_gguf_isa()        // "avx512_bf16", "avx2" (AVX2 + FMA + F16C) or "scalar"
 //   torch::Tensor gemm_gguf_q8(...)    // same arguments, fmt 0..2: int8 activations per 32-block
 //   torch::Tensor gemm_gguf_q8_ref(...) // its portable scalar loop
-//   std::string gemm_gguf_q8_isa()     // "avx512_vnni" (VPDPBUSD) or "scalar"
+//   std::string gemm_gguf_q8_isa()     // "avx512_vnni" (VPDPBUSD), "avx2" (VPMADDUBSW) or "scalar"
+//   (float32 x runs the AVX2 kernels on AVX-512 machines too; the AVX-512 kernels read bf16 only.)
 //   (gemm_gguf_q8's arithmetic: the section "int8 activations" below.)
 //
 // Repacked layout, per group g of 16 output columns (G = ceil(N/16), zero-padded) and per block b of
@@ -39,7 +41,9 @@
 //
 // Arithmetic (the same for every row, every M, every tile shape; the scalar reference spells it
 // out): the quantized integers q are converted to bf16 exactly (|q| <= 128), and for each output
-// element (m, n), with fp32 lanes:
+// element (m, n), with fp32 lanes (dpbf16(p, x, q) = fma(x_even, q_even, fma(x_odd, q_odd, p)):
+// VDPBF16PS's order; for bf16 x every product is exact, so fma = mul + add; for float32 x the
+// products round, and every path uses the fmas):
 //     acc = 0
 //     for b in 0..nb-1:                      // fixed k order, no split-K
 //       if Q6_K:
@@ -50,7 +54,7 @@
 //         p = 0;  for kp in 0..15: p = dpbf16(p, x[m, 32b+2kp : +2], q[n, 32b+2kp : +2])
 //         acc = fma(p, d[n,b], acc)
 //         if Q4, Q4_K: acc = fma(xs[m,b], m[n,b], acc)  // xs[m,b] = sum of x[m, 32b : 32b+32] (fixed order)
-//     y = bf16_rne(acc (+ bias[n]))
+//     y = bf16_rne(acc (+ bias[n]))          // float32 x: y = acc (+ bias[n])
 // i.e. the block factorisation sum_b d_b (x . q)_b + m_b sum(x)_b (the one llama.cpp's
 // ggml_vec_dot_q4_1_q8_1 uses, but with bf16 activations instead of int8-quantized ones, and the
 // weights' exact values d*q+m instead of their bf16 rounding: closer to the float32 dequantized
@@ -886,7 +890,10 @@ void gemm_avx2(const T* x, int64_t ldx, int64_t M, const float* xs, const uint8_
 // error is several times larger: measured mean KL against float32 2.8e-2 that way, 5.5e-3 this way
 // (bf16 activations: 2.4e-3; docs/benchmarks.md).
 // Built where AVX512-BF16 (the section above: its helpers) and AVX512-VNNI both exist (AMD Zen 4,
-// Intel Sapphire Rapids and later); elsewhere gemm_gguf_q8 is the scalar loop.
+// Intel Sapphire Rapids and later), for bf16 x; float32 x, and every call where VNNI is missing, run
+// the AVX2 kernel below (gemm_q8_avx2); without AVX2 gemm_gguf_q8 is the scalar loop. For float32 x
+// the quantizer reads the unrounded activations and y = acc (+ bias) stays float32: the arithmetic
+// of llama.cpp's CPU backend (float32 activations quantized per block, float32 between the linears).
 //
 // Speed (AVX512-VNNI): VPDPBUSD multiplies 64 u8 weights by s8 activations into 16 int32 lanes, so
 // one instruction is 4 k x 16 columns, against VDPBF16PS's 2 k x 16 and the bf16 kernel's table
