@@ -88,7 +88,7 @@ def test_kernel_matches_float64_reference(kern, qtype, k):
 def test_kquant_kernel_equals_scalar_loop_at_larger_m(kern, qtype, m):
     """The vector kernel (AVX-512, or AVX2 where that is missing) == the portable scalar loop bit for bit
     on the scratch path with several M tiles (63: a partial 4-row tile of the AVX2 sweep) and a padded
-    last group (250 columns: an odd number of 16-column groups). Large enough (16k outputs, 64 blocks
+    last group (250 columns: 16 groups, the last padded). Large enough (16k outputs, 64 blocks
     each) that a change of one fp32 rounding per fold (mul + add for fma) shows through the final bf16
     rounding."""
     n, k = 250, 2048
@@ -481,13 +481,13 @@ def _q8_emulate(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int, bi
     return terms.sum(-1) + bias.double().numpy(), np.abs(terms).sum(-1) + bias.abs().double().numpy()
 
 
+@pytest.mark.parametrize("n", [250, 232])  # 16 groups (the last padded); 15 (an item of one group)
 @pytest.mark.parametrize("qtype,k", [("Q8_0", 160), ("Q4_0", 160), ("Q4_1", 160), ("Q4_K", 512)])
-def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k):
+def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k, n):
     """gemm_gguf_q8 == the float64 value of its documented arithmetic (int8 activations per 32-block)
     to one bf16 rounding plus fp32 accumulation, and == the scalar loop bit for bit, at M = 1, 2 (the
-    in-register tiles), 3, 9, 63, 300 (the scratch panels) with a padded last group (250 columns). Q8_0:
+    in-register tiles), 3, 9, 63, 300 (the scratch panels) with a padded last group (n columns). Q8_0:
     some weights are -128 (q ^ 0x80 = 0: the sign trick's edge)."""
-    n = 250
     raw = random_blocks(np.random.default_rng(7), n, k, qtype, k ** -0.5)
     if qtype == "Q8_0":  # q = -128 in the first 3 weights of every block of column 0
         raw = raw.copy()
@@ -519,7 +519,7 @@ def test_float32_activations(kern, fn, qtype, k):
     unrounded x (llama.cpp's arithmetic, _q8_emulate); gemm_gguf, x . w with the exact weights (each
     block's sum as fmas in fp32: a product of a float32 and an 8-bit integer is not exact in fp32, so
     the kernel's fma and the scalar loop's std::fma must agree, which the bit-for-bit check shows)."""
-    n, nb = 250, k // 32
+    n, nb = 232, k // 32  # 15 groups, the last padded: the AVX2 kernels' one-group item
     raw = random_blocks(np.random.default_rng(11), n, k, qtype, k ** -0.5)
     w = repack(raw, qtype, n, k, "t")
     ref_w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k)).double()

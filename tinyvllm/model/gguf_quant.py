@@ -70,17 +70,20 @@ class UnsupportedQuantError(ValueError):
     """A GGUF tensor's type has no native kernel; the message names the tensor and the type."""
 
 
-_INT8_ACTS: dict[int, bool] = {}
+_INT8_ACTS: dict[tuple[int, torch.dtype], bool] = {}
 
 
-def int8_activations(kern: Any) -> bool:
+def int8_activations(kern: Any, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the native Q8_0 / Q4_0 / Q4_1 / Q4_K linears quantize their activations to int8 per
     row and 32-block (``gemm_gguf_q8``, llama.cpp's q8_0 / q8_1 scheme: VPDPBUSD on AVX512-VNNI,
     VPMADDUBSW / VPMADDWD on AVX2) or keep them as they are, bf16 or float32 (``gemm_gguf``).
     ``TINYVLLM_GGUF_ACTIVATIONS``: ``int8``, ``bf16`` (the model dtype's activations, float32 too), or
-    ``auto`` (the default): int8 where the VNNI kernel is built (``gemm_gguf_q8_isa() == "avx512_vnni"``:
-    AVX512-BF16 and AVX512-VNNI, e.g. AMD Zen 4, where ``--quantization auto`` keeps the dequantized
-    path, so native is the fast path a user asked for). On AVX2 alone (AMD Zen 1-3), where
+    ``auto`` (the default): int8 for bf16 activations where the VNNI kernel is built
+    (``gemm_gguf_q8_isa() == "avx512_vnni"``: AVX512-BF16 and AVX512-VNNI, e.g. AMD Zen 4, where
+    ``--quantization auto`` keeps the dequantized path, so native is the fast path a user asked for);
+    a float32 model (``dtype``) keeps its activations under ``auto`` everywhere (a float32 user asked
+    for the exact path: it equals the dequantized float32 model), and ``int8`` gives it llama.cpp's
+    arithmetic. On AVX2 alone (AMD Zen 1-3), where
     ``--quantization auto`` runs native by default, ``auto`` keeps the activations unquantized: the
     default stays the more exact arithmetic (mean KL against float32 0.3x llama.cpp's, against ~1.1x with
     int8; docs/benchmarks.md) and ``int8`` is the fast one. Without either vector kernel ``int8`` runs
@@ -90,7 +93,7 @@ def int8_activations(kern: Any) -> bool:
     Raises:
         ValueError: another value of ``TINYVLLM_GGUF_ACTIVATIONS``.
     """
-    key = id(kern)
+    key = (id(kern), dtype)
     if key not in _INT8_ACTS:
         from tinyvllm import envs
 
@@ -102,7 +105,7 @@ def int8_activations(kern: Any) -> bool:
         if mode == "int8" and isa == "scalar":
             logger.warning("TINYVLLM_GGUF_ACTIVATIONS=int8 without an AVX512-VNNI or AVX2 kernel: the native "
                            "linears run gemm_gguf_q8's scalar loop (correct, many times slower)")
-        _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and vnni)
+        _INT8_ACTS[key] = mode == "int8" or (mode == "auto" and vnni and dtype == torch.bfloat16)
     return _INT8_ACTS[key]
 
 
@@ -133,7 +136,7 @@ class QuantWeight:
     def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """[..., k] bf16 or float32 -> [..., n] in x's dtype with ``kern.gemm_gguf_q8`` (int8
         activations, see :func:`int8_activations`) or ``kern.gemm_gguf`` (batch invariant either way)."""
-        if self.fmt != FMT_Q6K and int8_activations(kern):
+        if self.fmt != FMT_Q6K and int8_activations(kern, x.dtype):
             return kern.gemm_gguf_q8(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
         return kern.gemm_gguf(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
 

@@ -1330,11 +1330,11 @@ void quantize_row_avx2(const T* x, int64_t K, int fmt, int8_t* xq, float* dx, fl
 }
 
 // Rows r0 .. r0+R-1 x NG groups over every block; acc [R][32] fp32 (zeroed by the caller) gets the
-// header's per-block folds in b order. xq16: the int16 activations in natural k order (Q8_0).
+// header's per-block folds in b order. xq16: the int16 activations in natural k order (Q8_0). sc:
+// the item's scales, [nb][2][32] fp32 (avx2_block_scales per block, formed once per item).
 template <int R, int NG, int FMT>
 void q8_avx2_tile(const ActQ8& a, const int16_t* xq16, int64_t K, int64_t nb, int64_t r0,
-                  const uint8_t* const* gq, const uint8_t* const* gs, float* acc) {
-  alignas(32) float scv[2 * kAvx2Cols];
+                  const uint8_t* const* gq, const float* sc, float* acc) {
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     __m256i isum[R][2 * NG];
@@ -1387,7 +1387,7 @@ void q8_avx2_tile(const ActQ8& a, const int16_t* xq16, int64_t K, int64_t nb, in
           isum[r][2 * g + 1] = _mm256_permute2x128_si256(p, q, 0x31);
         }
     }
-    avx2_block_scales(FMT, gs, NG, b, scv);
+    const float* scv = sc + b * 2 * kAvx2Cols;
     for (int r = 0; r < R; ++r) {
       const __m256 dxr = _mm256_set1_ps(a.dx[(r0 + r) * nb + b]);
       for (int v = 0; v < 2 * NG; ++v) {
@@ -1403,7 +1403,7 @@ void q8_avx2_tile(const ActQ8& a, const int16_t* xq16, int64_t K, int64_t nb, in
 }
 
 using Q8Avx2Fn = void (*)(const ActQ8&, const int16_t*, int64_t, int64_t, int64_t, const uint8_t* const*,
-                          const uint8_t* const*, float*);
+                          const float*, float*);
 
 template <int FMT>
 Q8Avx2Fn q8_avx2_pick(int r, int ng) {
@@ -1420,17 +1420,19 @@ void gemm_q8_avx2(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* s
   if (fmt == 0) xq16.assign(a.xq.begin(), a.xq.end());
   tv_pool::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     alignas(32) float acc[kQ8Avx2Rows * kAvx2Cols];
+    std::vector<float> scales(static_cast<size_t>(nb * 2 * kAvx2Cols));
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t g0 = 2 * it;
       const int ng = g0 + 1 < G ? 2 : 1;
       const uint8_t* gq[2] = {qs + g0 * gq_stride, qs + (g0 + ng - 1) * gq_stride};
       const uint8_t* gs[2] = {sc + g0 * gs_stride, sc + (g0 + ng - 1) * gs_stride};
       const int64_t c0 = g0 * kGroup, cols = std::min<int64_t>(16 * ng, N - c0);
+      for (int64_t b = 0; b < nb; ++b) avx2_block_scales(fmt, gs, ng, b, scales.data() + b * 2 * kAvx2Cols);
       for (int64_t r0 = 0; r0 < M; r0 += kQ8Avx2Rows) {
         const int R = static_cast<int>(std::min<int64_t>(kQ8Avx2Rows, M - r0));
         std::fill(acc, acc + R * kAvx2Cols, 0.0f);
         Q8Avx2Fn fn = fmt == 0 ? q8_avx2_pick<0>(R, ng) : fmt == 1 ? q8_avx2_pick<1>(R, ng) : q8_avx2_pick<2>(R, ng);
-        fn(a, xq16.data(), K, nb, r0, gq, gs, acc);
+        fn(a, xq16.data(), K, nb, r0, gq, scales.data(), acc);
         for (int r = 0; r < R; ++r)
           for (int64_t c = 0; c < cols; ++c) {
             float v = acc[r * kAvx2Cols + c];
