@@ -703,6 +703,18 @@ inline void avx2_block_scales(int fmt, const uint8_t* const* gs, int ng, int64_t
   }
 }
 
+// Rows r0 .. r0+R-1 of an item's fp32 accumulators (kAvx2Cols apart) + bias into out's columns c0 ..
+// c0+cols-1 (bf16 rounded, or float32).
+inline void avx2_store_item(const float* acc, int64_t r0, int64_t R, int64_t c0, int64_t cols, const float* bias,
+                            void* out, bool out_f32, int64_t N) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      float v = acc[r * kAvx2Cols + c];
+      if (bias) v += bias[c0 + c];
+      store_out(out, out_f32, (r0 + r) * N + c0 + c, v);
+    }
+}
+
 // acc = fma(p, d, acc) per vector, d = scale `which` of the block (the reference's fold).
 template <int R, int NV>
 inline void avx2_fold(const __m256* p, const float* sc, int which, float* acc) {
@@ -853,12 +865,7 @@ void gemm_avx2(const T* x, int64_t ldx, int64_t M, const float* xs, const uint8_
         }
       }
       const int64_t c0 = g0 * kGroup, cols = std::min<int64_t>(16 * ng, N - c0);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t c = 0; c < cols; ++c) {
-          float v = acc[m * kAvx2Cols + c];
-          if (bias) v += bias[c0 + c];
-          store_out(out, out_f32, m * N + c0 + c, v);
-        }
+      avx2_store_item(acc.data(), 0, M, c0, cols, bias, out, out_f32, N);
     }
   });
 }
@@ -1433,12 +1440,7 @@ void gemm_q8_avx2(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* s
         std::fill(acc, acc + R * kAvx2Cols, 0.0f);
         Q8Avx2Fn fn = fmt == 0 ? q8_avx2_pick<0>(R, ng) : fmt == 1 ? q8_avx2_pick<1>(R, ng) : q8_avx2_pick<2>(R, ng);
         fn(a, xq16.data(), K, nb, r0, gq, scales.data(), acc);
-        for (int r = 0; r < R; ++r)
-          for (int64_t c = 0; c < cols; ++c) {
-            float v = acc[r * kAvx2Cols + c];
-            if (bias) v += bias[c0 + c];
-            store_out(out, out_f32, (r0 + r) * N + c0 + c, v);
-          }
+        avx2_store_item(acc, r0, R, c0, cols, bias, out, out_f32, N);
       }
     }
   });
@@ -1454,9 +1456,9 @@ struct Prepared {
 
 // Calls f(pointer to row 0 of x) with x's element type (uint16_t bf16 bits or float).
 template <typename F>
-auto with_x(const Prepared& p, const F& f) {
-  if (p.f32) return f(p.x2.data_ptr<float>());
-  return f(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()));
+void with_x(const Prepared& p, const F& f) {
+  if (p.f32) f(static_cast<const float*>(p.x2.data_ptr<float>()));
+  else f(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()));
 }
 
 // block_sums: also the fixed-order sums of each row's 32-blocks (gemm_gguf's Q4, Q4_K fold).
@@ -1496,7 +1498,6 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
         for (int64_t m = m0; m < m1; ++m)
           for (int64_t b = 0; b < nb; ++b) xsp[m * nb + b] = block_sum_scalar(xp + m * ldx + b * 32);
       });
-      return 0;
     });
   }
   return p;
@@ -1529,7 +1530,7 @@ ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, Q8Kernel kind) {
   ActQ8 a;
   a.xq.resize(static_cast<size_t>(M * K));
   a.dx.resize(static_cast<size_t>(M * nb));
-  if (fmt == 0) a.xc.resize(static_cast<size_t>(M * nb));
+  if (fmt == 0 && kind == Q8Kernel::kVnni) a.xc.resize(static_cast<size_t>(M * nb));  // its u8 trick's correction
   if (fmt_min(fmt)) a.xs.resize(static_cast<size_t>(M * nb));
   with_x(p, [&](const auto* xp) {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(xp)>>;
@@ -1537,7 +1538,7 @@ ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, Q8Kernel kind) {
       for (int64_t m = m0; m < m1; ++m) {
         int8_t* xq = a.xq.data() + m * K;
         float* dx = a.dx.data() + m * nb;
-        int32_t* xc = fmt == 0 ? a.xc.data() + m * nb : nullptr;
+        int32_t* xc = a.xc.empty() ? nullptr : a.xc.data() + m * nb;
         float* xs = fmt_min(fmt) ? a.xs.data() + m * nb : nullptr;
 #if defined(TINYVLLM_QGEMM_VNNI)
         if constexpr (std::is_same_v<T, uint16_t>) {
@@ -1551,7 +1552,6 @@ ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, Q8Kernel kind) {
         quantize_row_ref(xp + m * ldx, K, fmt, xq, dx, xs, xc);
       }
     });
-    return 0;
   });
   return a;
 }
@@ -1627,7 +1627,6 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
 #else
     gemm_ref(xp, p.ldx, p.M, q, s, f, N, K, op, p.f32, bp);
 #endif
-    return 0;
   });
   return p.out.view(p.out_shape);
 }
@@ -1640,7 +1639,6 @@ torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor sca
     gemm_ref(xp, p.ldx, p.M, static_cast<const uint8_t*>(qs.data_ptr()), static_cast<const uint8_t*>(scales.data_ptr()),
              static_cast<int>(fmt), N, K, p.out.data_ptr(), p.f32,
              p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr);
-    return 0;
   });
   return p.out.view(p.out_shape);
 }

@@ -162,6 +162,21 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
   });
 }
 
+// Work tiles of the vector row kernels (attention_avx512, attention_avx2): runs of up to max_rows
+// tokens of one sequence at consecutive positions. Returns each tile's first token, then num_tokens.
+inline std::vector<int64_t> query_tiles(const int64_t* seqp, const int64_t* posp, int64_t num_tokens,
+                                        int64_t max_rows) {
+  std::vector<int64_t> tile_start;
+  for (int64_t t = 0; t < num_tokens;) {
+    tile_start.push_back(t);
+    int64_t e = t + 1;
+    while (e < num_tokens && e - t < max_rows && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
+    t = e;
+  }
+  tile_start.push_back(num_tokens);
+  return tile_start;
+}
+
 #if defined(TINYVLLM_AVX512)
 // ---------------------------------------------------------------------------------------------
 // AVX-512 paged attention. Same algorithm and the same per-row guarantee as attention_scalar
@@ -321,15 +336,7 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   alignas(64) static const C zero_row[D] = {};
 
-  // Tiles: runs of up to kTileRows tokens of one sequence at consecutive positions.
-  std::vector<int64_t> tile_start;
-  for (int64_t t = 0; t < num_tokens;) {
-    tile_start.push_back(t);
-    int64_t e = t + 1;
-    while (e < num_tokens && e - t < kTileRows && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
-    t = e;
-  }
-  tile_start.push_back(num_tokens);
+  const std::vector<int64_t> tile_start = query_tiles(seqp, posp, num_tokens, kTileRows);
   const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
 
   tv_pool::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
@@ -1041,14 +1048,7 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
   const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
   alignas(32) static const C zero_row[D] = {};
 
-  std::vector<int64_t> tile_start;  // runs of up to kTileRows2 tokens of one sequence at consecutive positions
-  for (int64_t t = 0; t < num_tokens;) {
-    tile_start.push_back(t);
-    int64_t e = t + 1;
-    while (e < num_tokens && e - t < kTileRows2 && seqp[e] == seqp[t] && posp[e] == posp[e - 1] + 1) ++e;
-    t = e;
-  }
-  tile_start.push_back(num_tokens);
+  const std::vector<int64_t> tile_start = query_tiles(seqp, posp, num_tokens, kTileRows2);
   const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
 
   tv_pool::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
