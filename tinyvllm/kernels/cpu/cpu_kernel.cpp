@@ -464,9 +464,15 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 //  * V as [kKvTile/2][D] pairs (positions 2i, 2i+1 of one dim per lane), so P V is 16 dims per
 //    instruction with the row's probability pair broadcast.
 // Per pair and tile: s = q . k, masked past the row's position (causal), online softmax in base 2
-// (a reference m of s * scale * log2 e, moved to the running max only when a score exceeds it by
-// kSoftmaxSlack, lane-wise running sum l, o *= 2^(m_old - m_new) when m moves), P rounded
-// to bf16, o += P V in float32. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
+// (the running max m of s * scale * log2 e, o and l *= 2^(m_old - m_new) when it moves), P rounded
+// to bf16, l += the rounded P lane-wise, o += P V in float32. Precision (issue 37): P V must read
+// bf16 probabilities, and two choices keep that rounding far below the bf16 rounding of the output
+// itself. The running max is exact, so the largest weight of every row is 2^0, exactly 1 once
+// rounded (exp2_fast16(0) is 1 + 2.6e-6); and the normaliser l sums the same rounded P that P V uses, so the output is
+// a convex combination of V rows whose weights are each off by at most 2^-8 relative. On SmolLM2's
+// real queries and caches (benchmarks/bf16_fidelity.py attention) the output is 2.5-4x closer to
+// float64 than with a lazily moved max and an unrounded l (2.9-4.9e-4 against 0.7-1.2e-3 relative,
+// where rounding the output to bf16 costs 1.7e-3), at no measurable cost in time. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
 // grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
 // at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
 // exactly the tiles 0..pos / kKvTile. Positions past the item's longest context read a zero row;
@@ -551,8 +557,7 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
-// 2^x lane-wise for finite x (denormal or 0 below -126; at most 2^kSoftmaxSlack where the
-// softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
+// 2^x lane-wise for finite x (denormal or 0 below -126; x <= 0 where the softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
 // 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
 // rounding of P, 2^-9), times 2^n by VSCALEFPS (which takes floor(x) itself). Seven instructions
 // with the caller's fmsub (Cephes-style range reduction, as in exp16, without its clamp and round).
@@ -566,22 +571,16 @@ inline __m512 exp2_fast16(__m512 x) {
   return _mm512_scalef_ps(y, x);
 }
 
-// How far (in log2 units) a tile's scores may rise above the pair's reference m before m is moved:
-// the probabilities 2^(s * scale * log2 e - m) stay <= 2^8 (exact in bf16's and fp32's range),
-// and the max reduction and the rescale of o run only when a score first exceeds m + 8 (the lazy
-// rescaling of FlashAttention-4 / "online softmax with a threshold"), not at every new maximum.
-constexpr float kSoftmaxSlack = 8.0f;
-
 // Online softmax of one pair over one tile, in base 2 (Milakov & Gimelshein 2018; FlashAttention,
 // Dao et al. 2022, Alg. 1 lines 9-11): s = the tile's raw q . k (kKvTile / 16 vectors), vlog2 =
-// scale * log2(e), masked past the row's position. ps.m is a reference, not always the running max:
-// it moves to the true max (of s * vlog2) only when a score exceeds it by more than kSoftmaxSlack,
-// so every probability 2^(s * vlog2 - m) is at most 2^kSoftmaxSlack. Updates m and the lane-wise
-// sum l, writes the tile's probabilities as bf16 pairs to pb (kKvTile / 2 words). Returns whether
-// the pair's output must be scaled by alpha = 2^(m_old - m_new) before this tile's P V is added (not
-// on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no scaling).
-// Which branches run depends only on the pair's own position, scores and the tile, never on the
-// other rows.
+// scale * log2(e), masked past the row's position. ps.m is the running max of s * vlog2, so every
+// probability 2^(s * vlog2 - m) is at most 1, and the maximum's rounds to exactly 1. Updates m and the
+// lane-wise sum l, writes the tile's probabilities as bf16 pairs to pb (kKvTile / 2 words), and adds
+// those rounded probabilities (not the float32 ones) to l, so that the normaliser and P V see the
+// same weights. Returns whether the pair's output must be scaled by alpha = 2^(m_old - m_new) before
+// this tile's P V is added (not on the pair's first tile, where o and l are still 0, nor when m
+// stays: same bits as no scaling). Which branches run depends only on the pair's own position,
+// scores and the tile, never on the other rows.
 template <int ND>
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
                            __m512& alpha) {
@@ -589,7 +588,7 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
   const bool full = ps.pos - j0 >= kKvTile - 1;  // no position of the tile is after the row
   __mmask16 mk[NC];
   __m512 mx;
-  static_assert(NC == 4, "the max and the sum below take four score vectors");
+  static_assert(NC == 4, "the max below takes four score vectors");
   if (full) {
     mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   } else {
@@ -605,7 +604,7 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
   mx = _mm512_mul_ps(mx, vlog2);
   bool changed = false;
   alpha = _mm512_set1_ps(1.0f);
-  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(ps.m + kSoftmaxSlack), _CMP_GT_OQ)) {
+  if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(ps.m), _CMP_GT_OQ)) {
     const float m_new = _mm512_reduce_max_ps(mx);
     if (ps.m != -std::numeric_limits<float>::infinity()) {  // the first tile: o = l = 0, nothing to scale
       changed = true;
@@ -619,9 +618,17 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     p[c] = exp2_fast16(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
-  const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+  // A bf16 word pair's even element, shifted up, and its odd one, masked, are the two rounded
+  // probabilities as float32 (lanes hold positions in another order than p's: l is a sum over lanes).
+  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = 0; c < NC; c += 2) {
+    const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]);
+    _mm512_store_si512(pb + c * 8, b);
+    sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                                           _mm512_castsi512_ps(_mm512_and_si512(b, odd))));
+  }
   _mm512_store_ps(ps.l, _mm512_fmadd_ps(_mm512_load_ps(ps.l), alpha, sum));  // alpha = 1: exactly l + sum
-  for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
   return changed;
 }
 
