@@ -362,6 +362,29 @@ def test_gemm_bf16_rows_are_batch_invariant(n, k, gemm_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (100, 96), (17, 7), (200, 333)])
+def test_gemm_bf16_float32_outputs_are_the_unrounded_sums(n, k, gemm_path):
+    """out_float (the LM head's logits, issue 37): [M, N] float32 that rounds to the bf16 output bit for
+    bit (the same sums, rounded once), within float32 accumulation error of the float64 product (far
+    inside a bf16 ulp), with rows as batch invariant as the bf16 ones (the decode and prefill paths)."""
+    g = torch.Generator().manual_seed(n + 3 * k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    packed = KERN.gemm_pack_bf16(w)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    full = KERN.gemm_bf16(x, packed, n, k, b, out_float=True)
+    rounded = KERN.gemm_bf16(x, packed, n, k, b)
+    assert full.dtype == torch.float32 and full.shape == (40, n)
+    assert torch.equal(full.bfloat16(), rounded)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    bound = (x.double().abs() @ w.double().abs().T + b.double().abs()) * (k + 1) * 2 ** -23
+    assert ((full.double() - ref).abs() <= bound).all()
+    assert (full.double() - ref).abs().mean() * 20 < (rounded.double() - ref).abs().mean()
+    for m in (1, 5, 16, 17, 23):
+        assert torch.equal(KERN.gemm_bf16(x[:m], packed, n, k, b, out_float=True), full[:m]), m
+        assert torch.equal(KERN.gemm_bf16(x[-m:], packed, n, k, b, out_float=True), full[-m:]), m
+
+
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 1536), (100, 96), (200, 333), (49, 47)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemm_bf16_small_m_rows_equal_the_same_rows_in_bigger_batches(n, k, threads, gemm_path):

@@ -507,6 +507,30 @@ def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k, n):
         assert torch.equal(kern.gemm_gguf_q8_ref(x, w.qs, w.scales, w.fmt, n, k, bias), y), (qtype, m)
 
 
+@pytest.mark.parametrize("fn", ["gemm_gguf", "gemm_gguf_q8"])
+@pytest.mark.parametrize("qtype,k", [("Q8_0", 160), ("Q4_1", 160), ("Q4_K", 512), ("Q6_K", 512)])
+def test_out_float_is_the_unrounded_output_of_a_bf16_x(kern, fn, qtype, k):
+    """out_float (the LM head's logits, issue 37) with bf16 activations: float32 [M, N] that rounds to the
+    default bf16 output bit for bit (the same sums, rounded once), on the in-register tiles (M <= 2) and
+    the scratch path, and on the scalar loop (the _ref entry points) the same float32 sums."""
+    if fn == "gemm_gguf_q8" and qtype == "Q6_K":
+        pytest.skip("Q6_K always runs on gemm_gguf (bf16 activations)")
+    n = 250
+    w, _ = _weight(qtype, n, k, seed=8)
+    g = torch.Generator().manual_seed(9)
+    f = getattr(kern, fn)
+    for m in (1, 2, 9, 63):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g)
+        y32 = f(x, w.qs, w.scales, w.fmt, n, k, bias, out_float=True)
+        assert y32.dtype == torch.float32 and y32.shape == (m, n)
+        assert torch.equal(y32.bfloat16(), f(x, w.qs, w.scales, w.fmt, n, k, bias)), (qtype, m)
+        assert not torch.equal(y32, y32.bfloat16().float())  # really not rounded
+        if fn == "gemm_gguf":
+            torch.testing.assert_close(kern.gemm_gguf_ref(x.float(), w.qs, w.scales, w.fmt, n, k, bias), y32,
+                                       rtol=1e-5, atol=1e-4)
+
+
 _F32_SHAPES = [("Q8_0", 160), ("Q4_0", 160), ("Q4_1", 160), ("Q4_K", 512), ("Q6_K", 512)]
 
 

@@ -133,12 +133,13 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.qs.numel() * self.qs.element_size() + self.scales.numel() * self.scales.element_size()
 
-    def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[..., k] bf16 or float32 -> [..., n] in x's dtype with ``kern.gemm_gguf_q8`` (int8
+    def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None, out_float: bool = False) -> torch.Tensor:
+        """[..., k] bf16 or float32 -> [..., n] in x's dtype (float32 with ``out_float``: the kernel's
+        float32 sums, not rounded to bf16; the LM head's logits) with ``kern.gemm_gguf_q8`` (int8
         activations, see :func:`int8_activations`) or ``kern.gemm_gguf`` (batch invariant either way)."""
         if self.fmt != FMT_Q6K and int8_activations(kern, x.dtype):
-            return kern.gemm_gguf_q8(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
-        return kern.gemm_gguf(x, self.qs, self.scales, self.fmt, self.n, self.k, bias)
+            return kern.gemm_gguf_q8(x, self.qs, self.scales, self.fmt, self.n, self.k, bias, out_float)
+        return kern.gemm_gguf(x, self.qs, self.scales, self.fmt, self.n, self.k, bias, out_float)
 
 
 @dataclass
@@ -165,10 +166,10 @@ class QuantParts:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(self, kern: Any, x: torch.Tensor, bias: torch.Tensor | None, out_float: bool = False) -> torch.Tensor:
         outs, o = [], 0
         for p in self.parts:
-            outs.append(p.run(kern, x, None if bias is None else bias[o:o + p.n]))
+            outs.append(p.run(kern, x, None if bias is None else bias[o:o + p.n], out_float))
             o += p.n
         return torch.cat(outs, dim=-1)
 

@@ -9,9 +9,10 @@
 //   // x: [..., K] bfloat16 (last-dim stride 1; a 2-D x may have row stride > K), packed from
 //   // gemm_pack_bf16(w), N, K. Returns [..., N] bfloat16: every element is the fp32 sum over k of
 //   // x*w (+ bias[n], added in fp32) rounded to bf16 once, round-to-nearest-even (same bits as
-//   // torch's float -> bfloat16 conversion).
+//   // torch's float -> bfloat16 conversion); with out_float, [..., N] float32: the same sums, not
+//   // rounded (cpu_gemm_out.h; for the LM head's logits).
 //   torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
-//                           c10::optional<torch::Tensor> bias);
+//                           c10::optional<torch::Tensor> bias, bool out_float);
 //
 // Batch invariance, by construction. Output element (m, n) is always produced by the same
 // instruction sequence: one fp32 accumulator lane (lane n % 16 of a zmm), zeroed, then one
@@ -39,6 +40,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
+#include "cpu_gemm_out.h"
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
@@ -54,9 +56,11 @@
 // cpu_gemm_amx.cpp: the same GEMM on AMX tiles (TDPBF16PS), used when available and switched on.
 bool gemm_amx_active();
 void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-              int64_t Kp, uint16_t* out, const float* bias);
+              int64_t Kp, tv_gemm::GemmOut out, const float* bias);
 
 namespace {
+
+using tv_gemm::GemmOut;
 
 constexpr int64_t kBlockN = 64;   // columns per packed block (4 zmm of 16 fp32 lanes)
 constexpr int kMaxRows = 6;       // rows per register tile
@@ -72,27 +76,9 @@ inline float bf16_bits_to_f(uint16_t h) {
   return f;
 }
 
-// Same as c10::detail::round_to_nearest_even (torch's scalar float -> bfloat16).
-inline uint16_t f_to_bf16_bits(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
 
 #if defined(TINYVLLM_GEMM_AVX512BF16)
 
-// fp32 -> bf16 round-to-nearest-even with torch's bit-exact semantics (denormals kept, NaN ->
-// 0x7FC0). VCVTNEPS2BF16 would flush denormal inputs to zero, so do it with integer ops.
-inline __m256i cvt_f32_bf16_rne(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
 
 // One register tile: R rows of x (row stride ldx elements) times C zmm columns (16 output
 // columns each) of a packed block. `b` points at k-pair 0 of the first of those columns inside
@@ -102,7 +88,7 @@ inline __m256i cvt_f32_bf16_rne(__m512 v) {
 // cache lines per k-pair (prefetching only, no effect on results).
 template <int R, int C>
 void tile_kernel(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict b,
-                 int64_t kpairs, uint16_t* __restrict out, int64_t ldo, int64_t ncols,
+                 int64_t kpairs, GemmOut out, int64_t ldo, int64_t ncols,
                  const float* __restrict bias, const char* pf, const char* pf_end,
                  int64_t pf_per_kp) {
   constexpr int64_t kStride = kBlockN * 2;   // elements per k-pair row of a block
@@ -136,7 +122,7 @@ void tile_kernel(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
     }
   }
 
-  // Epilogue: + bias (fp32), RNE to bf16, (masked) store.
+  // Epilogue: + bias (fp32), RNE to bf16 (or float32 as it is), (masked) store.
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     const int64_t valid = ncols - 16 * c;
@@ -145,14 +131,11 @@ void tile_kernel(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
                                        : static_cast<__mmask16>((1u << valid) - 1u);
     const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
-    }
+    for (int r = 0; r < R; ++r) out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, uint16_t*, int64_t,
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, GemmOut, int64_t,
                         int64_t, const float*, const char*, const char*, int64_t);
 
 struct TileTable {
@@ -177,7 +160,7 @@ struct TileTable {
 inline int64_t tile_start(int64_t mt, int64_t M, int64_t mtiles) { return mt * M / mtiles; }
 
 void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-                 int64_t Kp, uint16_t* out, const float* bias) {
+                 int64_t Kp, GemmOut out, const float* bias) {
   static const TileTable tiles;
   const int64_t kpairs = Kp / 2;
   const int64_t block_elems = kpairs * kBlockN * 2;
@@ -209,7 +192,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
         pf_end = next + l1 * 64;
         pf_per_kp = ceil_div(l1 - l0, kpairs);
       }
-      tiles.fn[rows - 1][c - 1](x + m0 * ldx, ldx, b, kpairs, out + m0 * N + n0, N, ncols,
+      tiles.fn[rows - 1][c - 1](x + m0 * ldx, ldx, b, kpairs, out.offset(m0 * N + n0), N, ncols,
                                 bias ? bias + n0 : nullptr, pf, pf_end, pf_per_kp);
     }
   };
@@ -262,7 +245,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
 // assumed: build with -ffp-contract=off). Each element's sequence is independent of M and of the
 // thread, so it is batch invariant too (results need not match the AVX-512 path bit for bit).
 void gemm_scalar(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-                 int64_t Kp, uint16_t* out, const float* bias) {
+                 int64_t Kp, GemmOut out, const float* bias) {
   const int64_t kpairs = Kp / 2;
   const int64_t block_elems = kpairs * kBlockN * 2;
   tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -277,7 +260,7 @@ void gemm_scalar(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* pack
           acc += bf16_bits_to_f(xr[2 * kp + 1]) * bf16_bits_to_f(w[1]);
         }
         if (bias) acc += bias[n];
-        out[m * N + n] = f_to_bf16_bits(acc);
+        out.store1(m * N + n, acc);
       }
     }
   });
@@ -311,7 +294,7 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w) {
 }
 
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, bool out_float) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "gemm_bf16: x must be bfloat16");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
               "gemm_bf16: packed must be a contiguous bfloat16 tensor from gemm_pack_bf16");
@@ -335,7 +318,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
   }
   int64_t ldx = x2.stride(0);
   if (M <= 1) ldx = Kp;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, x.options().dtype(out_float ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return out.view(out_shape);
 
   // Bias as fp32, zero-padded to whole blocks (the tile epilogue loads 16 lanes at a time).
@@ -350,7 +333,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_
 
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const GemmOut op{out.data_ptr(), out_float};
 #if defined(TINYVLLM_GEMM_AVX512BF16)
   if (gemm_amx_active()) gemm_amx(xp, ldx, M, wp, N, Kp, op, bias_ptr);
   else gemm_avx512(xp, ldx, M, wp, N, Kp, op, bias_ptr);

@@ -6,9 +6,9 @@
 //   bool gemm_amx_active();   // built with AMX-BF16, the OS grants tile state, switch on
 //   // x: [M, Kp] bf16 bits (row stride ldx elements, Kp even), packed: gemm_pack_bf16's
 //   // [ceil(N/64)][Kp/2][64][2], bias: fp32 zero-padded to whole 64-column blocks or null.
-//   // out: [M, N] bf16 bits (row stride N). Same contract as gemm_avx512.
+//   // out: [M, N] bf16 bits or float32 (row stride N; cpu_gemm_out.h). Same contract as gemm_avx512.
 //   void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-//                 int64_t Kp, uint16_t* out, const float* bias);
+//                 int64_t Kp, tv_gemm::GemmOut out, const float* bias);
 //   // Python: set_amx_gemm(bool) (default on; env TINYVLLM_AMX_GEMM=0 starts it off),
 //   //         has_amx_gemm() -> whether this build and CPU can run it (set_amx_gemm chooses).
 //
@@ -45,6 +45,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
+#include "cpu_gemm_out.h"
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -60,6 +61,8 @@
 #endif
 
 namespace {
+
+using tv_gemm::GemmOut;
 
 #if defined(TINYVLLM_GEMM_AMX)
 
@@ -105,16 +108,6 @@ constexpr int64_t kPfChunks = 8;
 // a buffer against the tile loads/stores that touch it.
 inline void compiler_barrier() { asm volatile("" ::: "memory"); }
 
-// fp32 -> bf16 round-to-nearest-even with torch's bit-exact semantics (as in cpu_gemm.cpp).
-inline __m256i cvt_f32_bf16_rne(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
 
 // Where the A tile of row tile t is: full tiles in x itself, the last partial one (and every tile
 // when Kp is not a multiple of 32) in a zero-padded copy.
@@ -135,7 +128,7 @@ struct ASource {
 // for the C tiles between k blocks. out: column n0 of row 0 (row stride ldo); ncols valid columns.
 template <int NC>
 void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16_t* b,
-               const uint16_t* btail, int64_t kchunks, float* spill, uint16_t* out, int64_t ldo,
+               const uint16_t* btail, int64_t kchunks, float* spill, GemmOut out, int64_t ldo,
                int64_t ncols, const float* bias) {
   alignas(64) float cb[kTileRows][kBlockN];
   for (int64_t kc0 = 0; kc0 < kchunks; kc0 += kKBlock) {
@@ -173,7 +166,7 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
       if constexpr (NC > 3) _tile_stored(3, dst + 48, kBlockN * 4);
       compiler_barrier();
       if (!last) continue;
-      // Epilogue: + bias (fp32), RNE to bf16, masked store of the real rows and columns.
+      // Epilogue: + bias (fp32), RNE to bf16 (or float32 as it is), masked store of the real rows and columns.
       const int64_t rows = std::min<int64_t>(kTileRows, M - t * kTileRows);
       for (int c = 0; c < NC; ++c) {
         const int64_t valid = ncols - 16 * c;
@@ -183,8 +176,7 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
         const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
         for (int64_t r = 0; r < rows; ++r) {
           const __m512 v = _mm512_load_ps(&cb[r][16 * c]);
-          const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(v, bb) : v);
-          _mm256_mask_storeu_epi16(out + (t * kTileRows + r) * ldo + 16 * c, mask, h);
+          out.store16((t * kTileRows + r) * ldo + 16 * c, mask, bias ? _mm512_add_ps(v, bb) : v);
         }
       }
     }
@@ -202,7 +194,7 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
 // kPfChunks ahead is prefetched into L2 (docs/benchmarks.md, issue 15).
 template <int NC>
 void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, const uint16_t* btail,
-                     int64_t kchunks, uint16_t* out, int64_t ldo, int64_t ncols, const float* bias,
+                     int64_t kchunks, GemmOut out, int64_t ldo, int64_t ncols, const float* bias,
                      const char* pf_end) {
   alignas(64) float cb[kTileRows][kBlockN];
   _tile_zero(0);
@@ -238,19 +230,18 @@ void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, 
     const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
     for (int64_t r = 0; r < M; ++r) {
       const __m512 v = _mm512_load_ps(&cb[r][16 * c]);
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(v, bb) : v);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
+      out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(v, bb) : v);
     }
   }
 }
 
 using SmallFn = void (*)(const uint16_t*, long, int64_t, const uint16_t*, const uint16_t*, int64_t,
-                         uint16_t*, int64_t, int64_t, const float*, const char*);
+                         GemmOut, int64_t, int64_t, const float*, const char*);
 constexpr SmallFn kSmall[4] = {&panel_amx_small<1>, &panel_amx_small<2>, &panel_amx_small<3>,
                                &panel_amx_small<4>};
 
 using PanelFn = void (*)(const ASource&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
-                         int64_t, float*, uint16_t*, int64_t, int64_t, const float*);
+                         int64_t, float*, GemmOut, int64_t, int64_t, const float*);
 constexpr PanelFn kPanel[4] = {&panel_amx<1>, &panel_amx<2>, &panel_amx<3>, &panel_amx<4>};
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -276,7 +267,7 @@ bool gemm_amx_active() {
 }
 
 void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-              int64_t Kp, uint16_t* out, const float* bias) {
+              int64_t Kp, GemmOut out, const float* bias) {
 #if defined(TINYVLLM_GEMM_AMX)
   const int64_t kpairs = Kp / 2;
   const int64_t kchunks = ceil_div(kpairs, kChunkPairs);
@@ -319,7 +310,7 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
         const int64_t c = std::min<int64_t>(4 - u % 4, u1 - u);  // stay inside one block
         const int64_t nb = u / 4, c0 = u % 4, n0 = u * 16;
         const uint16_t* bt = tail_pairs ? tails.data() + nb * kChunkPairs * kBlockN * 2 + c0 * 32 : nullptr;
-        kSmall[c - 1](xa, sa, M, packed + nb * block_elems + c0 * 32, bt, kchunks, out + n0, N,
+        kSmall[c - 1](xa, sa, M, packed + nb * block_elems + c0 * 32, bt, kchunks, out.offset(n0), N,
                       std::min<int64_t>(16 * c, N - n0), bias ? bias + n0 : nullptr, pf_end);
         u += c;
       }
@@ -345,7 +336,7 @@ void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed,
     const int64_t ncols = std::min<int64_t>(16 * nc, N - n0);
     const uint16_t* b = packed + nb * block_elems + c0 * 32;
     const uint16_t* bt = tail_pairs ? tails.data() + nb * kChunkPairs * kBlockN * 2 + c0 * 32 : nullptr;
-    kPanel[nc - 1](a, t0, t1, M, b, bt, kchunks, spill, out + n0, N, ncols, bias ? bias + n0 : nullptr);
+    kPanel[nc - 1](a, t0, t1, M, b, bt, kchunks, spill, out.offset(n0), N, ncols, bias ? bias + n0 : nullptr);
   };
 
   // Prefill: items (M block, column piece), M-block major, from a shared counter. A piece is a

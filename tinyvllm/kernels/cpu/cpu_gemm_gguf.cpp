@@ -66,6 +66,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
+#include "cpu_gemm_out.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -89,6 +90,9 @@
 
 namespace {
 
+using tv_gemm::GemmOut;
+using tv_gemm::f_to_bf16_bits;
+
 constexpr int64_t kGroup = 16;   // columns per group
 constexpr int64_t kQBlock = 32;  // k per GGUF block
 
@@ -101,20 +105,11 @@ inline float bf16_to_f(uint16_t h) {
   return f;
 }
 
-inline uint16_t f_to_bf16(float f) {
-  if (f != f) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
-}
-
-// Activations and outputs are bf16 (uint16_t bits) or float32, as the call's x is.
+// Activations are bf16 (uint16_t bits) or float32, as the call's x is; outputs too, or float32 for
+// bf16 x with out_float.
 inline float act_f(uint16_t h) { return bf16_to_f(h); }
 inline float act_f(float f) { return f; }
-inline void store_out(void* out, bool f32, int64_t i, float v) {
-  if (f32) static_cast<float*>(out)[i] = v;
-  else static_cast<uint16_t*>(out)[i] = f_to_bf16(v);
-}
+inline void store_out(void* out, bool f32, int64_t i, float v) { GemmOut{out, f32}.store1(i, v); }
 
 inline float half_to_f(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -213,20 +208,12 @@ void gemm_ref(const T* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8
 
 #if defined(TINYVLLM_QGEMM_AVX512)
 
-inline __m256i cvt_f32_bf16_rne(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  r = _mm512_srli_epi32(r, 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
+using tv_gemm::cvt_f32_bf16_rne;
 
 // 32 words: bf16 of (i & 15) (vpermw reads 5 index bits; the upper half repeats the lower).
 inline __m512i nibble_table() {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16(static_cast<float>(i & 15));
+  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16_bits(static_cast<float>(i & 15));
   return _mm512_load_si512(t);
 }
 
@@ -250,7 +237,7 @@ inline __m512 load_scales(const uint8_t* gs, int64_t b, int which) {
 // 64 words: bf16 of i - 32 (Q6_K), the two 32-word halves of a vpermt2w table.
 inline __m512i q6_table(int half) {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16(static_cast<float>(32 * half + i - 32));
+  for (int i = 0; i < 32; ++i) t[i] = f_to_bf16_bits(static_cast<float>(32 * half + i - 32));
   return _mm512_load_si512(t);
 }
 
@@ -275,9 +262,10 @@ inline __m512i load_hi2(const uint8_t* gq, int64_t b, int j) {
   return (j & 1) ? _mm512_srli_epi16(h, 4) : h;
 }
 
-// acc[r][c] (+ bias) rounded to bf16 (RNE) into out rows r, columns 16c..16c+15 (masked past ncols).
+// acc[r][c] (+ bias) rounded to bf16 (RNE), or float32 as it is, into out rows r, columns 16c..16c+15
+// (masked past ncols).
 template <int R, int C>
-inline void store_tile(__m512 (&acc)[R][C], uint16_t* out, int64_t ldo, int64_t ncols, const float* bias) {
+inline void store_tile(__m512 (&acc)[R][C], GemmOut out, int64_t ldo, int64_t ncols, const float* bias) {
 #pragma GCC unroll 4
   for (int c = 0; c < C; ++c) {
     const int64_t valid = ncols - 16 * c;
@@ -285,17 +273,14 @@ inline void store_tile(__m512 (&acc)[R][C], uint16_t* out, int64_t ldo, int64_t 
     const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
     const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256i h = cvt_f32_bf16_rne(bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-      _mm256_mask_storeu_epi16(out + r * ldo + 16 * c, mask, h);
-    }
+    for (int r = 0; r < R; ++r) out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
   }
 }
 
 // R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
 template <int R, int C, int FMT>
 void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
-           const uint8_t* const* gq, const uint8_t* const* gs, uint16_t* __restrict out, int64_t ldo,
+           const uint8_t* const* gq, const uint8_t* const* gs, GemmOut out, int64_t ldo,
            int64_t ncols, const float* __restrict bias, __m512i table) {
   constexpr int64_t qb = FMT == 0 ? 512 : FMT == 3 ? 384 : 256;
   __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
@@ -394,7 +379,7 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
 }
 
 using QTileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t* const*,
-                         const uint8_t* const*, uint16_t*, int64_t, int64_t, const float*, __m512i);
+                         const uint8_t* const*, GemmOut, int64_t, int64_t, const float*, __m512i);
 
 template <int FMT>
 QTileFn pick(int r, int c) {  // r <= 2 rows, c <= 4 groups (accumulators + block partials: <= 16 zmm)
@@ -418,7 +403,7 @@ QTileFn pick_fmt(int fmt, int r, int c) {
 // very instruction sequence per element of the in-register tile above: same bits (tests).
 template <int R, int C, int FMT>
 void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
-                   const uint16_t* __restrict sw, const float* __restrict sf, uint16_t* __restrict out,
+                   const uint16_t* __restrict sw, const float* __restrict sf, GemmOut out,
                    int64_t ldo, int64_t ncols, const float* __restrict bias) {
   __m512 acc[R][C];
 #pragma GCC unroll 4
@@ -518,7 +503,7 @@ void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, in
 }
 
 using QTileSFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint16_t*, const float*,
-                          uint16_t*, int64_t, int64_t, const float*);
+                          GemmOut, int64_t, int64_t, const float*);
 
 template <int FMT>
 QTileSFn pick_scratch(int r) {
@@ -606,7 +591,7 @@ void for_each_tile(int64_t M, int64_t N, int64_t K, const uint8_t* qs, const uin
 }
 
 void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, const uint8_t* qs,
-                 const uint8_t* sc, int fmt, int64_t N, int64_t K, uint16_t* out, const float* bias) {
+                 const uint8_t* sc, int fmt, int64_t N, int64_t K, GemmOut out, const float* bias) {
   const int64_t nb = K / kQBlock;
   const __m512i table = nibble_table();
   // scratch: the panel's bf16 words [nb][16 k-pairs][C][32], then its fp32 scales [nb][C][2][16]
@@ -614,7 +599,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
   for_each_tile(
       M, N, K, qs, sc, fmt, kSmallM, sw_bytes + sf_bytes,
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, int64_t n0, int64_t ncols) {
-        pick_fmt(fmt, static_cast<int>(M), c)(x, ldx, xs, nb, gq, gs, out + n0, N, ncols, bias ? bias + n0 : nullptr,
+        pick_fmt(fmt, static_cast<int>(M), c)(x, ldx, xs, nb, gq, gs, out.offset(n0), N, ncols, bias ? bias + n0 : nullptr,
                                               table);
       },
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, uint8_t* scratch) {
@@ -624,7 +609,7 @@ void gemm_avx512(const uint16_t* x, int64_t ldx, int64_t M, const float* xs, con
       [&](int64_t r0, int64_t r1, int64_t n0, int64_t ncols, uint8_t* scratch) {
         pick_scratch_fmt(fmt, static_cast<int>(r1 - r0))(
             x + r0 * ldx, ldx, xs ? xs + r0 * nb : nullptr, nb, reinterpret_cast<const uint16_t*>(scratch),
-            reinterpret_cast<const float*>(scratch + sw_bytes), out + r0 * N + n0, N, ncols, bias ? bias + n0 : nullptr);
+            reinterpret_cast<const float*>(scratch + sw_bytes), out.offset(r0 * N + n0), N, ncols, bias ? bias + n0 : nullptr);
       });
 }
 
@@ -1084,7 +1069,7 @@ inline void q8_fold(__m512i (&p)[R][C], __m512 (&acc)[R][C], const __m512* dv, c
 template <int R, int C, int FMT>
 void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, const float* __restrict xs,
             const int32_t* __restrict xc, int64_t nb, const uint8_t* const* gq, const uint8_t* const* gs,
-            uint16_t* __restrict out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
+            GemmOut out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
   const __m512i idx = q8_pair_index();
   __m512 acc[R][C];
 #pragma GCC unroll 4
@@ -1131,7 +1116,7 @@ void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, 
 template <int R, int C, int FMT>
 void q8tile_scratch(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, const float* __restrict xs,
                     const int32_t* __restrict xc, int64_t nb, const uint8_t* __restrict sw, const float* __restrict sf,
-                    uint16_t* __restrict out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
+                    GemmOut out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
   __m512 acc[R][C];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
@@ -1196,9 +1181,9 @@ void q8_convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c,
 }
 
 using Q8TileFn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t,
-                          const uint8_t* const*, const uint8_t* const*, uint16_t*, int64_t, int64_t, const float*);
+                          const uint8_t* const*, const uint8_t* const*, GemmOut, int64_t, int64_t, const float*);
 using Q8TileSFn = void (*)(const int8_t*, int64_t, const float*, const float*, const int32_t*, int64_t,
-                           const uint8_t*, const float*, uint16_t*, int64_t, int64_t, const float*);
+                           const uint8_t*, const float*, GemmOut, int64_t, int64_t, const float*);
 using Q8ConvFn = void (*)(const uint8_t* const*, const uint8_t* const*, int, int, int64_t, uint8_t*, float*);
 
 
@@ -1220,7 +1205,7 @@ Q8TileSFn q8_pick_scratch(int r) {
 
 template <int FMT>
 void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int64_t N, int64_t K,
-                      uint16_t* out, const float* bias) {
+                      GemmOut out, const float* bias) {
   const int64_t nb = K / kQBlock;
   const int8_t* xq = a.xq.data();
   const float* dx = a.dx.data();
@@ -1231,7 +1216,7 @@ void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_
   for_each_tile(
       M, N, K, qs, sc, FMT, kSmallM, sw_bytes + sf_bytes,
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, int64_t n0, int64_t ncols) {
-        q8_pick<FMT>(static_cast<int>(M), c)(xq, K, dx, xs, xc, nb, gq, gs, out + n0, N, ncols,
+        q8_pick<FMT>(static_cast<int>(M), c)(xq, K, dx, xs, xc, nb, gq, gs, out.offset(n0), N, ncols,
                                             bias ? bias + n0 : nullptr);
       },
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, uint8_t* scratch) {
@@ -1240,12 +1225,12 @@ void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_
       [&](int64_t r0, int64_t r1, int64_t n0, int64_t ncols, uint8_t* scratch) {
         q8_pick_scratch<FMT>(static_cast<int>(r1 - r0))(
             xq + r0 * K, K, dx + r0 * nb, xs ? xs + r0 * nb : nullptr, xc ? xc + r0 * nb : nullptr, nb, scratch,
-            reinterpret_cast<const float*>(scratch + sw_bytes), out + r0 * N + n0, N, ncols, bias ? bias + n0 : nullptr);
+            reinterpret_cast<const float*>(scratch + sw_bytes), out.offset(r0 * N + n0), N, ncols, bias ? bias + n0 : nullptr);
       });
 }
 
 void gemm_q8_vnni(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
-                  uint16_t* out, const float* bias) {
+                  GemmOut out, const float* bias) {
   switch (fmt) {
     case 0: gemm_q8_vnni_fmt<0>(a, M, qs, sc, N, K, out, bias); break;
     case 1: gemm_q8_vnni_fmt<1>(a, M, qs, sc, N, K, out, bias); break;
@@ -1450,7 +1435,8 @@ void gemm_q8_avx2(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* s
 struct Prepared {
   torch::Tensor x2, out, xs, bias_f;
   int64_t M = 0, ldx = 0;
-  bool f32 = false;  // x (and so the output) float32 instead of bf16
+  bool f32 = false;      // x float32 instead of bf16
+  bool out_f32 = false;  // the output float32 (x float32, or out_float)
   std::vector<int64_t> out_shape;
 };
 
@@ -1462,8 +1448,9 @@ void with_x(const Prepared& p, const F& f) {
 }
 
 // block_sums: also the fixed-order sums of each row's 32-blocks (gemm_gguf's Q4, Q4_K fold).
+// out_float: float32 outputs for bf16 x too (the LM head's logits; a float32 x always gets them).
 Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& scales, int64_t fmt, int64_t N,
-                 int64_t K, const c10::optional<torch::Tensor>& bias, bool block_sums = true) {
+                 int64_t K, const c10::optional<torch::Tensor>& bias, bool block_sums = true, bool out_float = false) {
   TORCH_CHECK(fmt >= 0 && fmt <= 3, "gemm_gguf: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1), 2 (Q4_K) or 3 (Q6_K)");
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.device().is_cpu(),
               "gemm_gguf: x must be a CPU bfloat16 or float32 tensor");
@@ -1484,7 +1471,8 @@ Prepared prepare(torch::Tensor x, const torch::Tensor& qs, const torch::Tensor& 
   if (p.x2.stride(1) != 1) p.x2 = p.x2.contiguous();
   p.M = p.x2.size(0);
   p.ldx = p.M <= 1 ? K : p.x2.stride(0);
-  p.out = torch::empty({p.M, N}, x.options());
+  p.out_f32 = p.f32 || out_float;
+  p.out = torch::empty({p.M, N}, x.options().dtype(p.out_f32 ? at::kFloat : at::kBFloat16));
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "gemm_gguf: bias must have N elements");
     p.bias_f = bias->reshape({N}).to(at::kFloat).contiguous();
@@ -1557,9 +1545,9 @@ ActQ8 quantize_acts(const Prepared& p, int fmt, int64_t K, Q8Kernel kind) {
 }
 
 torch::Tensor gemm_q8_impl(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
-                           c10::optional<torch::Tensor> bias, bool ref) {
+                           c10::optional<torch::Tensor> bias, bool ref, bool out_float) {
   TORCH_CHECK(fmt >= 0 && fmt <= 2, "gemm_gguf_q8: fmt must be 0 (Q8_0), 1 (Q4_0/Q4_1) or 2 (Q4_K); Q6_K runs on gemm_gguf");
-  Prepared p = prepare(x, qs, scales, fmt, N, K, bias, /*block_sums=*/false);
+  Prepared p = prepare(x, qs, scales, fmt, N, K, bias, /*block_sums=*/false, out_float);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
   const Q8Kernel kind = q8_kernel(p.f32, ref);
   const ActQ8 a = quantize_acts(p, static_cast<int>(fmt), K, kind);
@@ -1569,29 +1557,29 @@ torch::Tensor gemm_q8_impl(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
   const uint8_t* s = static_cast<const uint8_t*>(scales.data_ptr());
 #if defined(TINYVLLM_QGEMM_VNNI)
   if (kind == Q8Kernel::kVnni) {
-    gemm_q8_vnni(a, p.M, q, s, static_cast<int>(fmt), N, K, static_cast<uint16_t*>(op), bp);
+    gemm_q8_vnni(a, p.M, q, s, static_cast<int>(fmt), N, K, GemmOut{op, p.out_f32}, bp);
     return p.out.view(p.out_shape);
   }
 #endif
 #if defined(TINYVLLM_QGEMM_AVX2)
   if (kind == Q8Kernel::kAvx2) {
-    gemm_q8_avx2(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.f32, bp);
+    gemm_q8_avx2(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.out_f32, bp);
     return p.out.view(p.out_shape);
   }
 #endif
-  gemm_q8_ref(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.f32, bp);
+  gemm_q8_ref(a, p.M, q, s, static_cast<int>(fmt), N, K, op, p.out_f32, bp);
   return p.out.view(p.out_shape);
 }
 }  // namespace
 
 torch::Tensor gemm_gguf_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
-                           c10::optional<torch::Tensor> bias) {
-  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, false);
+                           c10::optional<torch::Tensor> bias, bool out_float) {
+  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, false, out_float);
 }
 
 torch::Tensor gemm_gguf_q8_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
                                int64_t K, c10::optional<torch::Tensor> bias) {
-  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, true);
+  return gemm_q8_impl(x, qs, scales, fmt, N, K, bias, true, false);
 }
 
 std::string gemm_gguf_q8_isa() {
@@ -1605,8 +1593,8 @@ std::string gemm_gguf_q8_isa() {
 }
 
 torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
-                        c10::optional<torch::Tensor> bias) {
-  Prepared p = prepare(x, qs, scales, fmt, N, K, bias);
+                        c10::optional<torch::Tensor> bias, bool out_float) {
+  Prepared p = prepare(x, qs, scales, fmt, N, K, bias, true, out_float);
   if (p.M == 0 || N == 0) return p.out.view(p.out_shape);
   void* op = p.out.data_ptr();
   const float* bp = p.bias_f.defined() ? p.bias_f.data_ptr<float>() : nullptr;
@@ -1617,15 +1605,15 @@ torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
 #if defined(TINYVLLM_QGEMM_AVX512)
   if (!p.f32) {
     gemm_avx512(reinterpret_cast<const uint16_t*>(p.x2.data_ptr<at::BFloat16>()), p.ldx, p.M, xsp, q, s, f, N, K,
-                static_cast<uint16_t*>(op), bp);
+                GemmOut{op, p.out_f32}, bp);
     return p.out.view(p.out_shape);
   }
 #endif
   with_x(p, [&](const auto* xp) {
 #if defined(TINYVLLM_QGEMM_AVX2)
-    gemm_avx2(xp, p.ldx, p.M, xsp, q, s, f, N, K, op, p.f32, bp);
+    gemm_avx2(xp, p.ldx, p.M, xsp, q, s, f, N, K, op, p.out_f32, bp);
 #else
-    gemm_ref(xp, p.ldx, p.M, q, s, f, N, K, op, p.f32, bp);
+    gemm_ref(xp, p.ldx, p.M, q, s, f, N, K, op, p.out_f32, bp);
 #endif
   });
   return p.out.view(p.out_shape);

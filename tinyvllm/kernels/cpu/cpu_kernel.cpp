@@ -1440,19 +1440,19 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
 torch::Tensor gemm_pack_bf16(torch::Tensor w);
 bool gemm_has_bf16_kernel();
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
-                        c10::optional<torch::Tensor> bias);
+                        c10::optional<torch::Tensor> bias, bool out_float);
 void gemm_amx_bind(pybind11::module& m);  // cpu_gemm_amx.cpp: set_amx_gemm, has_amx_gemm
 
 // cpu_sample.cpp: the grammar bitmask applied to logits.
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
 torch::Tensor gemm_gguf(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
-                        c10::optional<torch::Tensor> bias);
+                        c10::optional<torch::Tensor> bias, bool out_float);
 torch::Tensor gemm_gguf_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
                             int64_t K, c10::optional<torch::Tensor> bias);
 std::string gemm_gguf_isa();
 torch::Tensor gemm_gguf_q8(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N, int64_t K,
-                           c10::optional<torch::Tensor> bias);
+                           c10::optional<torch::Tensor> bias, bool out_float);
 torch::Tensor gemm_gguf_q8_ref(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, int64_t fmt, int64_t N,
                                int64_t K, c10::optional<torch::Tensor> bias);
 std::string gemm_gguf_q8_isa();
@@ -1461,9 +1461,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   gemm_amx_bind(m);
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[rows[r], t] = -inf where bit t of bitmask row r is clear (in place)");
-  m.def("gemm_gguf", &gemm_gguf, "y = x @ W^T (+ bias) on repacked GGUF blocks (cpu_gemm_gguf.cpp), batch invariant",
+  m.def("gemm_gguf", &gemm_gguf, "y = x @ W^T (+ bias) on repacked GGUF blocks (cpu_gemm_gguf.cpp), batch invariant "
+        "(out_float: float32 outputs for a bf16 x too)",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("out_float") = false);
   m.def("gemm_gguf_ref", &gemm_gguf_ref, "the portable scalar loop of gemm_gguf (tests)", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
   m.def("gemm_gguf_isa", &gemm_gguf_isa,
@@ -1472,7 +1473,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T (+ bias) on repacked Q8_0/Q4_0/Q4_1/Q4_K blocks with int8 activations per 32-block "
         "(cpu_gemm_gguf.cpp), batch invariant",
         py::arg("x"), py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("out_float") = false);
   m.def("gemm_gguf_q8_ref", &gemm_gguf_q8_ref, "the portable scalar loop of gemm_gguf_q8 (tests)", py::arg("x"),
         py::arg("qs"), py::arg("scales"), py::arg("fmt"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
   m.def("gemm_gguf_q8_isa", &gemm_gguf_q8_isa,
@@ -1480,8 +1481,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_has_bf16_kernel", &gemm_has_bf16_kernel,
         "whether gemm_bf16 was built with AVX512-BF16 (pack weights only then)");
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "pack a [N, K] bf16 weight for gemm_bf16");
-  m.def("gemm_bf16", &gemm_bf16, "y = x @ W^T (+ bias) in bf16 on packed W, batch invariant", py::arg("x"),
-        py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("bias") = py::none());
+  m.def("gemm_bf16", &gemm_bf16, "y = x @ W^T (+ bias) in bf16 on packed W, batch invariant (out_float: the "
+        "float32 sums, not rounded to bf16)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"),
+        py::arg("bias") = py::none(), py::arg("out_float") = false);
   m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU)");
   m.def("rms_norm", &rms_norm_cpu, "RMSNorm with optional fused residual add -> (out, residual)");
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
