@@ -470,9 +470,12 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 // itself. The running max is exact, so the largest weight of every row is 2^0, exactly 1 once
 // rounded (exp2_fast16(0) is 1 + 2.6e-6); and the normaliser l sums the same rounded P that P V uses, so the output is
 // a convex combination of V rows whose weights are each off by at most 2^-8 relative. On SmolLM2's
-// real queries and caches (benchmarks/bf16_fidelity.py attention) the output is 2.5-4x closer to
-// float64 than with a lazily moved max and an unrounded l (2.9-4.9e-4 against 0.7-1.2e-3 relative,
-// where rounding the output to bf16 costs 1.7e-3), at no measurable cost in time. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
+// real queries and caches (benchmarks/bf16_fidelity.py attention) the output is 2-3.7x closer to
+// float64 than with a lazily moved max and an unrounded l (relative RMS 0.14-0.53e-3 against
+// 0.26-1.2e-3, where rounding the output to bf16 costs 1.7e-3). Cost, 2026-12-04, Intel Xeon: the
+// attention of a 512-token chunk over 5,000 cached ones +0.5 % on vdpbf16ps, +7 % on AMX (where the
+// vector softmax is the bottleneck; the sum of P is a tile product there, see tile_pairs_amx);
+// decode steps within noise. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
 // grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
 // at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
 // exactly the tiles 0..pos / kKvTile. Positions past the item's longest context read a zero row;
@@ -577,11 +580,11 @@ inline __m512 exp2_fast16(__m512 x) {
 // probability 2^(s * vlog2 - m) is at most 1, and the maximum's rounds to exactly 1. Updates m and the
 // lane-wise sum l, writes the tile's probabilities as bf16 pairs to pb (kKvTile / 2 words), and adds
 // those rounded probabilities (not the float32 ones) to l, so that the normaliser and P V see the
-// same weights. Returns whether the pair's output must be scaled by alpha = 2^(m_old - m_new) before
+// same weights (kTileSum: l is only rescaled here; the caller's tile product adds the sum). Returns whether the pair's output must be scaled by alpha = 2^(m_old - m_new) before
 // this tile's P V is added (not on the pair's first tile, where o and l are still 0, nor when m
 // stays: same bits as no scaling). Which branches run depends only on the pair's own position,
 // scores and the tile, never on the other rows.
-template <int ND>
+template <int ND, bool kTileSum = false>
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
                            __m512& alpha) {
   constexpr int NC = kKvTile / 16;
@@ -617,6 +620,11 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
   for (int c = 0; c < NC; ++c) {
     p[c] = exp2_fast16(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
+  }
+  if constexpr (kTileSum) {
+    for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
+    if (changed) _mm512_store_ps(ps.l, _mm512_mul_ps(_mm512_load_ps(ps.l), alpha));
+    return changed;
   }
   // A bf16 word pair's even element, shifted up, and its odd one, masked, are the two rounded
   // probabilities as float32 (lanes hold positions in another order than p's: l is a sum over lanes).
@@ -689,7 +697,10 @@ inline void tile_group(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_
 // pair layout is AMX's B layout); P V takes the bf16 probabilities as A and the packed V tile as B,
 // accumulating into the pairs' outputs. Each output element depends only on its own A row and B
 // column, so the invariance argument is the kernel's above (rows past the pairs are zero padding).
-// Tiles 0-3: accumulators, 4: B, 5: A; all 16 rows x 64 bytes.
+// The normaliser l is a tile product too: the same bf16 probabilities times a B tile whose column 0
+// is ones add each row's sum of rounded P to lane 0 of its l (the softmax's vector loop, the
+// bottleneck on AMX, then does no summing: 10 % of the attention time of a 512-token chunk).
+// Tiles 0-3: accumulators, 4: B, 5: A, 6: l, 7: the ones; all 16 rows x 64 bytes.
 bool amx_enabled() {
   static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
@@ -707,7 +718,7 @@ struct alignas(64) TileConfig {
 
 inline void amx_configure() {
   TileConfig cfg;
-  for (int i = 0; i < 6; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
   _tile_loadconfig(&cfg);
 }
 
@@ -736,18 +747,26 @@ inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, in
       __m512 sv[NC];
       for (int c = 0; c < NC; ++c) sv[c] = _mm512_load_ps(&sb[r][c * 16]);
       __m512 alpha;
-      if (online_softmax(ps[r], sv, j0, vscale, pb[r], alpha))
+      if (online_softmax<ND, true>(ps[r], sv, j0, vscale, pb[r], alpha))
         for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
     } else {
       for (int c = 0; c < kKvTile / 2; c += 16) _mm512_store_si512(&pb[r][c], _mm512_setzero_si512());
     }
   }
+  // B tile of the normaliser: k-pair rows of 16 columns, column 0 the bf16 pair (1, 1), the rest 0.
+  alignas(64) static const uint32_t ones[16][16] = {{0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u},
+                                                    {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u},
+                                                    {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u},
+                                                    {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u}, {0x3F803F80u}};
+  _tile_loadd(7, &ones[0][0], 64);
+  _tile_loadd(6, ps[0].l, kPairStride);
   for (int v0 = 0; v0 < ND; v0 += 4) {
 #define TINYVLLM_LD(C) if (v0 + C < ND) _tile_loadd(C, ps[0].o + (v0 + C) * 16, kPairStride);
     TINYVLLM_TILE_FOR4(TINYVLLM_LD)
 #undef TINYVLLM_LD
     for (int ks = 0; ks < kKvTile / 32; ++ks) {
       _tile_loadd(5, &pb[0][ks * 16], kKvTile * 2);
+      if (v0 == 0) _tile_dpbf16ps(6, 5, 7);  // l += the row's sum of these 32 rounded probabilities
 #define TINYVLLM_PV(C) if (v0 + C < ND) { _tile_loadd(4, &t.v[ks * 16][(v0 + C) * 16], ND * 64); _tile_dpbf16ps(C, 5, 4); }
       TINYVLLM_TILE_FOR4(TINYVLLM_PV)
 #undef TINYVLLM_PV
@@ -756,6 +775,7 @@ inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, in
     TINYVLLM_TILE_FOR4(TINYVLLM_SO)
 #undef TINYVLLM_SO
   }
+  _tile_stored(6, ps[0].l, kPairStride);
 }
 #undef TINYVLLM_TILE_FOR4
 #endif  // AMX
