@@ -89,10 +89,10 @@ def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):
 
 
 def test_chat_and_generate_text(smol_llm):
-    # chat() is generate() on the chat template as transformers renders it. (No check of what the model
-    # answers: "Paris" is not an honest expectation in bf16. Its first token is a near-tie in float32,
-    # "The" -1.883 vs "L" -1.965 nats, and the vdpbf16ps GEMM of AVX512-BF16 machines without AMX rounds
-    # it the other way, to "L'Étoile, ...". Quality against transformers is test_fp32_greedy_equals_transformers.)
+    # chat() is generate() on the chat template as transformers renders it. (What the model answers is
+    # checked against transformers' float32 answer in test_server.py, and the bf16 outputs of 24 prompts
+    # in test_bf16_fidelity.py: the first token here is a near-tie in float32, "The" -1.883 vs "L" -1.965
+    # nats, which bf16-rounded logits used to flip to "L'Étoile, ...", issue 37.)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(temperature=0, max_tokens=16)
     out = smol_llm.chat(messages, params)[0]

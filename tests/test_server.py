@@ -9,10 +9,12 @@ Signals and process deaths are tested on servers of their own (tests/test_faults
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -331,6 +333,20 @@ def test_token_id_and_batched_prompts(server, client):
     assert [streamed[0], streamed[1]] == singles
     echo = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8, temperature=0, echo=True)
     assert echo.choices[0].text == prompts[0] + singles[0]
+
+
+def test_capital_of_france_is_transformers_float32_answer(server, client):
+    """The first question a newcomer asks (issue 37): at temperature 0, in the default configuration, the
+    chat answer is transformers' float32 answer on the same GGUF (tests/data/bf16_fidelity.json, made by
+    benchmarks/bf16_fidelity.py), up to its end-of-turn token, not a word written here."""
+    refs = json.loads((Path(__file__).parent / "data" / "bf16_fidelity.json").read_text())
+    question = "What is the capital of France?"
+    ref = refs["float32"][refs["prompts"].index(question)]
+    ref = ref[:ref.index(refs["eos_token_id"])]
+    expected = httpx.post(server.base + "/detokenize", json={"tokens": ref}).json()["prompt"]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                       temperature=0, max_tokens=refs["num_tokens"])
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
 
 
 def test_tokenize_detokenize(server):
