@@ -30,28 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 NUM_TOKENS = 32
 DEFAULT_REFS = ROOT / "tests" / "data" / "bf16_fidelity.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gguf_quality import PROMPTS as QUALITY_PROMPTS  # noqa: E402  (tests/conftest.py's 6 and 14 more)
+
 # 24 chat prompts: the 20 of benchmarks/gguf_quality.py (the table) and 4 more.
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three primary colors.",
-    "Explain what a CPU does in one sentence.",
-    "Translate 'good morning' into Spanish.",
-    "How many legs does a spider have?",
-    "Name a famous painting by Leonardo da Vinci.",
-    "What is the boiling point of water in Celsius?",
-    "Give me a synonym for 'happy'.",
-    "Why is the sky blue? Answer briefly.",
-    "Write one sentence about autumn leaves.",
-    "What is 12 times 12?",
-    "Suggest a name for a pet goldfish.",
-    "What language is spoken in Brazil?",
-    "Describe a cat in three words.",
-    "What does a thermometer measure?",
-    "Recommend a good habit for mornings.",
-    "Who wrote Romeo and Juliet?",
-    "What is the largest planet in our solar system?",
-    "Tell me a fun fact about octopuses.",
+PROMPTS = QUALITY_PROMPTS + [
     "How do plants make their food?",
     "Give two tips for learning a new language.",
     "What is the difference between weather and climate?",
