@@ -284,10 +284,13 @@ def test_bench_serve_agent_answers_are_constrained_tool_calls(server):
     from tinyvllm.benchmarks import datasets as ds
     from tinyvllm.benchmarks.serve import run_benchmark
 
-    wl = ds.agent_dataset(2, 2, prefix_len=60, user_len=8, output_len=48, tool_result_len=20, think_time=0.0)
+    # Room for a degenerate query: with float32 logits (issue 37) one turn writes "sauce_flea_flea..." to
+    # the 40-character limit in 68 tokens, where the same text elsewhere takes 49 (some tokens of that
+    # run show no text: noted in issue 37's closing note); at 48 and 64 it was cut by max_tokens.
+    wl = ds.agent_dataset(2, 2, prefix_len=60, user_len=8, output_len=128, tool_result_len=20, think_time=0.0)
     res = asyncio.run(run_benchmark(server.base, MODEL, wl, agent_tool_calls=True))  # ignore_eos too
     assert res["completed"] == 4 and res["errors"] == 0
     assert res["tool_calls"] == {"answered": 4, "valid": 4}
     for r in res["requests"]:
         call = json.loads(r["generated_text"])
-        assert call["name"] in ds.AGENT_TOOL_NAMES and r["output_tokens"] < 48  # ended by the grammar
+        assert call["name"] in ds.AGENT_TOOL_NAMES and r["output_tokens"] < 128  # ended by the grammar
