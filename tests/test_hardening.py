@@ -1,6 +1,7 @@
 """Hardening of the HTTP server (issue 16): values the engine cannot carry, text the tokenizer cannot encode,
 unbounded work (n, body size, over-long text, tokenization off the event loop), unknown and unsupported
-fields, the one unhandled-exception handler, API keys and CORS.
+fields, the one unhandled-exception handler, API keys and CORS. Round 2 (issue 41): strict JSON types (no
+coercion of strings or 0/1 into booleans and numbers).
 
 A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
 API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
@@ -447,3 +448,113 @@ def test_bind_port_zero_reports_the_port(tmp_path):
         assert list(tmp_path.iterdir()) == [port_file]  # no temporary file left behind
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- strict types (issue 41)
+
+_BASES = {  # a valid body of each request model (and its endpoint)
+    "CompletionRequest": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    "ChatCompletionRequest": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+    "TokenizeRequest": ("/tokenize", {"prompt": "hi"}),
+    "DetokenizeRequest": ("/detokenize", {"tokens": [1]}),
+}
+
+# (model, fields replacing the base body's, the field named): booleans take only true/false, integers only
+# JSON integers (16.0 too is refused), floats JSON numbers but no string nor boolean; nested models too.
+STRICT_REFUSED = [
+    ("ChatCompletionRequest", {"parallel_tool_calls": "false"}, "parallel_tool_calls"),
+    ("ChatCompletionRequest", {"parallel_tool_calls": 0}, "parallel_tool_calls"),
+    ("ChatCompletionRequest", {"stream": "true"}, "stream"),
+    ("ChatCompletionRequest", {"logprobs": "true"}, "logprobs"),
+    ("ChatCompletionRequest", {"logprobs": 1}, "logprobs"),
+    ("ChatCompletionRequest", {"add_generation_prompt": "false"}, "add_generation_prompt"),
+    ("ChatCompletionRequest", {"continue_final_message": 0}, "continue_final_message"),
+    ("ChatCompletionRequest", {"max_completion_tokens": "16"}, "max_completion_tokens"),
+    ("ChatCompletionRequest", {"top_logprobs": 2.0}, "top_logprobs"),
+    ("ChatCompletionRequest", {"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options"),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages"),
+    ("CompletionRequest", {"max_tokens": "16"}, "max_tokens"),
+    ("CompletionRequest", {"max_tokens": 16.0}, "max_tokens"),
+    ("CompletionRequest", {"max_tokens": True}, "max_tokens"),
+    ("CompletionRequest", {"echo": "true"}, "echo"),
+    ("CompletionRequest", {"logprobs": True}, "logprobs"),
+    ("CompletionRequest", {"ignore_eos": "1"}, "ignore_eos"),
+    ("CompletionRequest", {"skip_special_tokens": 0}, "skip_special_tokens"),
+    ("CompletionRequest", {"prefix_cache_debug": "false"}, "prefix_cache_debug"),
+    ("CompletionRequest", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("CompletionRequest", {"add_special_tokens": "false"}, "add_special_tokens"),
+    ("CompletionRequest", {"temperature": "0.5"}, "temperature"),
+    ("CompletionRequest", {"temperature": True}, "temperature"),
+    ("CompletionRequest", {"top_p": "1"}, "top_p"),
+    ("CompletionRequest", {"seed": "7"}, "seed"),
+    ("CompletionRequest", {"n": 2.0}, "n"),
+    ("CompletionRequest", {"min_tokens": "1"}, "min_tokens"),
+    ("CompletionRequest", {"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ("CompletionRequest", {"logit_bias": {"5": "1"}}, "logit_bias"),
+    ("CompletionRequest", {"prompt": [True, False]}, "prompt"),
+    ("TokenizeRequest", {"add_special_tokens": "false"}, "add_special_tokens"),
+    ("TokenizeRequest", {"add_generation_prompt": 1, "prompt": None, "messages": CHAT}, "add_generation_prompt"),
+    ("DetokenizeRequest", {"tokens": ["1"]}, "tokens"),
+    ("DetokenizeRequest", {"tokens": [1.0]}, "tokens"),
+]
+# Stay accepted: a JSON integer for a float (as OpenAI), null for an optional field, real booleans.
+STRICT_ACCEPTED = [
+    ("CompletionRequest", {"temperature": 1, "top_p": 1, "min_p": 0, "presence_penalty": 0,
+                           "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {"5": 1}}),
+    ("CompletionRequest", {"echo": False, "stream": None, "seed": None, "top_k": None, "ignore_eos": True}),
+    ("ChatCompletionRequest", {"parallel_tool_calls": False, "logprobs": True, "top_logprobs": 2,
+                               "stream": True, "stream_options": {"include_usage": True}}),
+    ("TokenizeRequest", {"add_special_tokens": False}),
+]
+
+
+def _ids(cases):
+    return [f"{m}-{'-'.join(f'{k}={v!r}' for k, v in body.items() if k != 'messages')}"[:80] for m, body, *_ in cases]
+
+
+@pytest.mark.parametrize("model,body,field", STRICT_REFUSED, ids=_ids(STRICT_REFUSED))
+def test_request_models_coerce_nothing(model, body, field):
+    """The pydantic models themselves (no server): a value of another JSON type is an error at that field."""
+    from pydantic import ValidationError
+
+    from tinyvllm.entrypoints.openai import protocol
+
+    with pytest.raises(ValidationError) as e:
+        getattr(protocol, model).model_validate({**_BASES[model][1], **body})
+    assert e.value.errors()[0]["loc"][0] == field, e.value.errors()
+
+
+@pytest.mark.parametrize("model,body", STRICT_ACCEPTED, ids=_ids(STRICT_ACCEPTED))
+def test_request_models_keep_ints_for_floats(model, body):
+    from tinyvllm.entrypoints.openai import protocol
+
+    req = getattr(protocol, model).model_validate({**_BASES[model][1], **body})
+    if "temperature" in body:
+        assert req.temperature == 1.0 and isinstance(req.temperature, float)
+    if hasattr(req, "to_sampling_params"):
+        req.to_sampling_params()
+
+
+def test_strict_types_over_http(server):
+    """Every refused case of the models is a 400 naming the field (and saying what was sent) over HTTP;
+    the accepted ones are served; booleans inside free-form objects are checked by hand."""
+    for model, body, field in STRICT_REFUSED:
+        path, base = _BASES[model]
+        err = _assert_error(_post(server, path, {**base, **body}), 400, field)
+        assert field in err["message"] and "got " in err["message"], err
+    for model, body in STRICT_ACCEPTED:
+        path, base = _BASES[model]
+        r = _post(server, path, {**base, **body})
+        assert r.status_code == 200, r.text
+    chat = {"messages": CHAT, "max_tokens": 1}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "true"}}
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "response_format": rf}), 400,
+                        "response_format")
+    assert "response_format.json_schema.strict must be a boolean" in err["message"]
+    tools = [{"type": "function", "function": {"name": "f", "strict": "false", "parameters": {"type": "object"}}}]
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "tools": tools}), 400, "tools")
+    assert "tools[0].function.strict" in err["message"]
+    rf["json_schema"]["strict"] = True
+    assert _post(server, "/v1/chat/completions", {**chat, "response_format": rf}).status_code == 200
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
