@@ -1,7 +1,7 @@
 """Hardening of the HTTP server (issue 16): values the engine cannot carry, text the tokenizer cannot encode,
 unbounded work (n, body size, over-long text, tokenization off the event loop), unknown and unsupported
 fields, the one unhandled-exception handler, API keys and CORS. Round 2 (issue 41): strict JSON types (no
-coercion of strings or 0/1 into booleans and numbers).
+coercion of strings or 0/1 into booleans and numbers) and tool messages without the id of an earlier call.
 
 A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
 API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
@@ -557,4 +557,30 @@ def test_strict_types_over_http(server):
     rf["json_schema"]["strict"] = True
     assert _post(server, "/v1/chat/completions", {**chat, "response_format": rf}).status_code == 200
     assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+# ----------------------------------------------------------------------------- tool messages (issue 41)
+
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+_ASSISTANT = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+_ASK = {"role": "user", "content": "Weather in Paris?"}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("messages,index,says", [
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C"}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": None}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": ""}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": "call_2"}], 2, "is not the id"),
+    ([_ASK, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}, _ASSISTANT], 1, "is not the id"),
+    ([_ASK, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}], 1, "is not the id"),
+], ids=["missing", "null", "empty", "unknown-id", "before-its-call", "no-assistant-call"])
+def test_tool_message_needs_the_id_of_an_earlier_call(server, path, messages, index, says):
+    body = {"messages": messages, "max_tokens": 1} if path != "/tokenize" else {"messages": messages}
+    param = f"messages[{index}].tool_call_id"
+    err = _assert_error(_post(server, path, body), 400, param)
+    assert err["message"].startswith(param) and says in err["message"], err
+    ok = [_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    r = _post(server, path, {**body, "messages": ok})
+    assert r.status_code == 200, r.text
 

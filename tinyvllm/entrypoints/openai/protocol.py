@@ -248,13 +248,15 @@ class CompletionRequest(_SamplingFields):
 
 class ChatMessage(BaseModel):
     """One chat message; extra keys (``tool_calls``...) are kept for the chat template. Strict types, as
-    :class:`OpenAIBaseModel`."""
+    :class:`OpenAIBaseModel`. A ``tool`` message needs a ``tool_call_id`` that names a tool call of an
+    earlier assistant message (checked with the whole conversation, in ``serving_engine``)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
