@@ -1,7 +1,8 @@
 """Hardening of the HTTP server (issue 16): values the engine cannot carry, text the tokenizer cannot encode,
 unbounded work (n, body size, over-long text, tokenization off the event loop), unknown and unsupported
 fields, the one unhandled-exception handler, API keys and CORS. Round 2 (issue 41): strict JSON types (no
-coercion of strings or 0/1 into booleans and numbers) and tool messages without the id of an earlier call.
+coercion of strings or 0/1 into booleans and numbers), tool messages without the id of an earlier call, and
+the size of client-given Prometheus label values.
 
 A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
 API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
@@ -584,3 +585,55 @@ def test_tool_message_needs_the_id_of_an_earlier_call(server, path, messages, in
     r = _post(server, path, {**body, "messages": ok})
     assert r.status_code == 200, r.text
 
+
+# ----------------------------------------------------------------------------- metric label sizes (issue 41)
+
+
+def test_bounded_label():
+    from tinyvllm.metrics.prometheus import MAX_LABEL_BYTES, bounded_label
+
+    assert bounded_label("alice") == "alice" and bounded_label("") == ""
+    assert bounded_label("a" * MAX_LABEL_BYTES) == "a" * MAX_LABEL_BYTES
+    long_a, long_b = "x" * 100 + "a", "x" * 100 + "b"
+    la, lb = bounded_label(long_a), bounded_label(long_b)
+    assert la != lb and la.startswith("x" * 40) and len(la.encode()) <= MAX_LABEL_BYTES
+    assert bounded_label(long_a) == la  # stable
+    cut = bounded_label("é" * 100)  # 2-byte characters: the prefix holds whole characters only
+    assert len(cut.encode()) <= MAX_LABEL_BYTES and cut.split("~")[0] == "é" * 25
+
+
+METRICS_MAX_BYTES = 1 << 20  # /metrics stays under this whatever clients send as `user` (README)
+
+
+def test_metrics_stay_bounded_whatever_users_are_sent():
+    """300 users of 12 KiB each, of the characters that escaping doubles, through the per-request metric
+    bookkeeping: 256 distinct labels (then "other"), each cut to 64 bytes; /metrics stays under 1 MiB."""
+    from tinyvllm.metrics.prometheus import MAX_LABEL_BYTES, MAX_USER_LABELS, ServerMetrics
+
+    m = ServerMetrics("SmolLM2-135M-Instruct")
+    kv = {"kv_block_seconds": 1.5, "prefill_tokens_computed": 10, "prefill_tokens_cached": 2}
+    for i in range(300):
+        user = f"{i}" + '"\\\n' * (1 << 12)
+        m.request_added(f"r{i}", 0.0, user)
+        m.record_output(types.SimpleNamespace(request_id=f"r{i}", outputs=[], finished=True, prompt_token_ids=[1],
+                                              num_cached_tokens=0, kv_cost=kv), now=1.0)
+    text = m.render()
+    users = {line.split('user="', 1)[1].rsplit('"}', 1)[0] for line in text.decode().splitlines()
+             if line.startswith("tinyvllm:user_requests_total")}
+    assert len(users) == MAX_USER_LABELS + 1 and "other" in users
+    assert all(len(u.encode()) <= 2 * MAX_LABEL_BYTES for u in users)  # escaped: at most twice the bytes
+    assert len(text) < METRICS_MAX_BYTES, len(text)
+
+
+def test_a_megabyte_user_keeps_metrics_small(server):
+    from tinyvllm.metrics.prometheus import bounded_label
+
+    user = "big-user-" + "u" * (1 << 20)
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "user": user})
+    assert r.status_code == 200, r.text
+    label = f'user="{bounded_label(user)}"'
+    deadline = time.monotonic() + 10
+    while label not in (text := httpx.get(server.base + "/metrics", timeout=10).text):
+        assert time.monotonic() < deadline, "the user's counters never appeared"
+        time.sleep(0.1)
+    assert len(text.encode()) < METRICS_MAX_BYTES and "u" * 100 not in text
