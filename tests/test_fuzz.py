@@ -1,5 +1,6 @@
 """Property-based fuzzing of the whole HTTP API from its OpenAPI schema (schemathesis): no response >= 500,
-and the server answers normally afterwards with nothing left tracked.
+and the server answers normally afterwards with nothing left tracked. Every boolean / integer / number field
+of the schema is also sent values of another JSON type (strings, 0/1, 1.0), which must be 400s naming it.
 
 The schema is the app's own (``build_app(...).openapi()``, built over a stub engine at import: no server is
 needed to collect the tests); the calls go to a real ``tinyvllm serve`` (SmolLM2) with a small context, and
@@ -66,6 +67,45 @@ def test_no_response_is_a_server_error(case, server):
     if response.status_code >= 400 and ctype.startswith("application/json"):
         err = response.json().get("error")
         assert err is not None and {"message", "type", "param", "code"} <= set(err), response.text
+
+
+# A valid body per request schema; each boolean / integer / number field of the schema then gets values of
+# another JSON type, which the strict request models refuse (400 naming the field; issue 41).
+_BASES = {"CompletionRequest": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+          "ChatCompletionRequest": ("/v1/chat/completions",
+                                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+          "TokenizeRequest": ("/tokenize", {"prompt": "hi"}),
+          "DetokenizeRequest": ("/detokenize", {"tokens": [1]})}
+_WRONG = {"boolean": ["true", "false", 1, 0], "integer": ["1", 1.0, True], "number": ["1.0", True]}
+
+
+def _typed_fields() -> list[tuple[str, str, str]]:
+    """(schema, field, JSON type) of every scalar boolean / integer / number field of the request schemas."""
+    out = []
+    for name, comp in _schema()["components"]["schemas"].items():
+        if name not in _BASES:
+            continue
+        for field, prop in comp.get("properties", {}).items():
+            kinds = {alt.get("type") for alt in prop.get("anyOf", [prop])} - {"null"}
+            if len(kinds) == 1 and (kind := kinds.pop()) in _WRONG:
+                out.append((name, field, kind))
+    return out
+
+
+def test_every_typed_field_is_strict(server):
+    """Every boolean, integer and number field of every request schema, given a string (or a boolean for a
+    number, a float for an integer, 0/1 for a boolean): 400 naming the field, never coerced nor a 500."""
+    fields = _typed_fields()
+    assert {f for _, f, _ in fields} >= {"stream", "echo", "logprobs", "parallel_tool_calls", "prefix_cache_debug",
+                                          "ignore_eos", "skip_special_tokens", "add_generation_prompt",
+                                          "max_tokens", "n", "seed", "temperature", "top_p"}
+    with httpx.Client(base_url=server.base, timeout=120) as c:
+        for schema_name, field, kind in fields:
+            path, base = _BASES[schema_name]
+            for value in _WRONG[kind]:
+                r = c.post(path, json={**base, field: value})
+                assert r.status_code == 400, (schema_name, field, value, r.status_code, r.text[:300])
+                assert r.json()["error"]["param"] == field, (schema_name, field, value, r.text[:300])
 
 
 def test_server_is_healthy_after_fuzzing(server):

@@ -1,6 +1,8 @@
 """Hardening of the HTTP server (issue 16): values the engine cannot carry, text the tokenizer cannot encode,
 unbounded work (n, body size, over-long text, tokenization off the event loop), unknown and unsupported
-fields, the one unhandled-exception handler, API keys and CORS.
+fields, the one unhandled-exception handler, API keys and CORS. Round 2 (issue 41): strict JSON types (no
+coercion of strings or 0/1 into booleans and numbers), tool messages without the id of an earlier call, and
+the size of client-given Prometheus label values.
 
 A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
 API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
@@ -447,3 +449,191 @@ def test_bind_port_zero_reports_the_port(tmp_path):
         assert list(tmp_path.iterdir()) == [port_file]  # no temporary file left behind
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- strict types (issue 41)
+
+_BASES = {  # a valid body of each request model (and its endpoint)
+    "CompletionRequest": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    "ChatCompletionRequest": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+    "TokenizeRequest": ("/tokenize", {"prompt": "hi"}),
+    "DetokenizeRequest": ("/detokenize", {"tokens": [1]}),
+}
+
+# (model, fields replacing the base body's, the field named): booleans take only true/false, integers only
+# JSON integers (16.0 too is refused), floats JSON numbers but no string nor boolean; nested models too.
+STRICT_REFUSED = [
+    ("ChatCompletionRequest", {"parallel_tool_calls": "false"}, "parallel_tool_calls"),
+    ("ChatCompletionRequest", {"parallel_tool_calls": 0}, "parallel_tool_calls"),
+    ("ChatCompletionRequest", {"stream": "true"}, "stream"),
+    ("ChatCompletionRequest", {"logprobs": "true"}, "logprobs"),
+    ("ChatCompletionRequest", {"logprobs": 1}, "logprobs"),
+    ("ChatCompletionRequest", {"add_generation_prompt": "false"}, "add_generation_prompt"),
+    ("ChatCompletionRequest", {"continue_final_message": 0}, "continue_final_message"),
+    ("ChatCompletionRequest", {"max_completion_tokens": "16"}, "max_completion_tokens"),
+    ("ChatCompletionRequest", {"top_logprobs": 2.0}, "top_logprobs"),
+    ("ChatCompletionRequest", {"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options"),
+    ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages"),
+    ("CompletionRequest", {"max_tokens": "16"}, "max_tokens"),
+    ("CompletionRequest", {"max_tokens": 16.0}, "max_tokens"),
+    ("CompletionRequest", {"max_tokens": True}, "max_tokens"),
+    ("CompletionRequest", {"echo": "true"}, "echo"),
+    ("CompletionRequest", {"logprobs": True}, "logprobs"),
+    ("CompletionRequest", {"ignore_eos": "1"}, "ignore_eos"),
+    ("CompletionRequest", {"skip_special_tokens": 0}, "skip_special_tokens"),
+    ("CompletionRequest", {"prefix_cache_debug": "false"}, "prefix_cache_debug"),
+    ("CompletionRequest", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("CompletionRequest", {"add_special_tokens": "false"}, "add_special_tokens"),
+    ("CompletionRequest", {"temperature": "0.5"}, "temperature"),
+    ("CompletionRequest", {"temperature": True}, "temperature"),
+    ("CompletionRequest", {"top_p": "1"}, "top_p"),
+    ("CompletionRequest", {"seed": "7"}, "seed"),
+    ("CompletionRequest", {"n": 2.0}, "n"),
+    ("CompletionRequest", {"min_tokens": "1"}, "min_tokens"),
+    ("CompletionRequest", {"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ("CompletionRequest", {"logit_bias": {"5": "1"}}, "logit_bias"),
+    ("CompletionRequest", {"prompt": [True, False]}, "prompt"),
+    ("TokenizeRequest", {"add_special_tokens": "false"}, "add_special_tokens"),
+    ("TokenizeRequest", {"add_generation_prompt": 1, "prompt": None, "messages": CHAT}, "add_generation_prompt"),
+    ("DetokenizeRequest", {"tokens": ["1"]}, "tokens"),
+    ("DetokenizeRequest", {"tokens": [1.0]}, "tokens"),
+]
+# Stay accepted: a JSON integer for a float (as OpenAI), null for an optional field, real booleans.
+STRICT_ACCEPTED = [
+    ("CompletionRequest", {"temperature": 1, "top_p": 1, "min_p": 0, "presence_penalty": 0,
+                           "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {"5": 1}}),
+    ("CompletionRequest", {"echo": False, "stream": None, "seed": None, "top_k": None, "ignore_eos": True}),
+    ("ChatCompletionRequest", {"parallel_tool_calls": False, "logprobs": True, "top_logprobs": 2,
+                               "stream": True, "stream_options": {"include_usage": True}}),
+    ("TokenizeRequest", {"add_special_tokens": False}),
+]
+
+
+def _ids(cases):
+    return [f"{m}-{'-'.join(f'{k}={v!r}' for k, v in body.items() if k != 'messages')}"[:80] for m, body, *_ in cases]
+
+
+@pytest.mark.parametrize("model,body,field", STRICT_REFUSED, ids=_ids(STRICT_REFUSED))
+def test_request_models_coerce_nothing(model, body, field):
+    """The pydantic models themselves (no server): a value of another JSON type is an error at that field."""
+    from pydantic import ValidationError
+
+    from tinyvllm.entrypoints.openai import protocol
+
+    with pytest.raises(ValidationError) as e:
+        getattr(protocol, model).model_validate({**_BASES[model][1], **body})
+    assert e.value.errors()[0]["loc"][0] == field, e.value.errors()
+
+
+@pytest.mark.parametrize("model,body", STRICT_ACCEPTED, ids=_ids(STRICT_ACCEPTED))
+def test_request_models_keep_ints_for_floats(model, body):
+    from tinyvllm.entrypoints.openai import protocol
+
+    req = getattr(protocol, model).model_validate({**_BASES[model][1], **body})
+    if "temperature" in body:
+        assert req.temperature == 1.0 and isinstance(req.temperature, float)
+    if hasattr(req, "to_sampling_params"):
+        req.to_sampling_params()
+
+
+def test_strict_types_over_http(server):
+    """Every refused case of the models is a 400 naming the field (and saying what was sent) over HTTP;
+    the accepted ones are served; booleans inside free-form objects are checked by hand."""
+    for model, body, field in STRICT_REFUSED:
+        path, base = _BASES[model]
+        err = _assert_error(_post(server, path, {**base, **body}), 400, field)
+        assert field in err["message"] and "got " in err["message"], err
+    for model, body in STRICT_ACCEPTED:
+        path, base = _BASES[model]
+        r = _post(server, path, {**base, **body})
+        assert r.status_code == 200, r.text
+    chat = {"messages": CHAT, "max_tokens": 1}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "true"}}
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "response_format": rf}), 400,
+                        "response_format")
+    assert "response_format.json_schema.strict must be a boolean" in err["message"]
+    tools = [{"type": "function", "function": {"name": "f", "strict": "false", "parameters": {"type": "object"}}}]
+    err = _assert_error(_post(server, "/v1/chat/completions", {**chat, "tools": tools}), 400, "tools")
+    assert "tools[0].function.strict" in err["message"]
+    rf["json_schema"]["strict"] = True
+    assert _post(server, "/v1/chat/completions", {**chat, "response_format": rf}).status_code == 200
+    assert server.wait_idle() == dict.fromkeys(server.state(), 0)
+
+
+# ----------------------------------------------------------------------------- tool messages (issue 41)
+
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+_ASSISTANT = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+_ASK = {"role": "user", "content": "Weather in Paris?"}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("messages,index,says", [
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C"}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": None}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": ""}], 2, "needs a tool_call_id"),
+    ([_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": "call_2"}], 2, "is not the id"),
+    ([_ASK, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}, _ASSISTANT], 1, "is not the id"),
+    ([_ASK, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}], 1, "is not the id"),
+], ids=["missing", "null", "empty", "unknown-id", "before-its-call", "no-assistant-call"])
+def test_tool_message_needs_the_id_of_an_earlier_call(server, path, messages, index, says):
+    body = {"messages": messages, "max_tokens": 1} if path != "/tokenize" else {"messages": messages}
+    param = f"messages[{index}].tool_call_id"
+    err = _assert_error(_post(server, path, body), 400, param)
+    assert err["message"].startswith(param) and says in err["message"], err
+    ok = [_ASK, _ASSISTANT, {"role": "tool", "content": "21 C", "tool_call_id": "call_1"}]
+    r = _post(server, path, {**body, "messages": ok})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- metric label sizes (issue 41)
+
+
+def test_bounded_label():
+    from tinyvllm.metrics.prometheus import MAX_LABEL_BYTES, bounded_label
+
+    assert bounded_label("alice") == "alice" and bounded_label("") == ""
+    assert bounded_label("a" * MAX_LABEL_BYTES) == "a" * MAX_LABEL_BYTES
+    long_a, long_b = "x" * 100 + "a", "x" * 100 + "b"
+    la, lb = bounded_label(long_a), bounded_label(long_b)
+    assert la != lb and la.startswith("x" * 40) and len(la.encode()) <= MAX_LABEL_BYTES
+    assert bounded_label(long_a) == la  # stable
+    cut = bounded_label("é" * 100)  # 2-byte characters: the prefix holds whole characters only
+    assert len(cut.encode()) <= MAX_LABEL_BYTES and cut.split("~")[0] == "é" * 25
+
+
+METRICS_MAX_BYTES = 1 << 20  # /metrics stays under this whatever clients send as `user` (README)
+
+
+def test_metrics_stay_bounded_whatever_users_are_sent():
+    """300 users of 12 KiB each, of the characters that escaping doubles, through the per-request metric
+    bookkeeping: 256 distinct labels (then "other"), each cut to 64 bytes; /metrics stays under 1 MiB."""
+    from tinyvllm.metrics.prometheus import MAX_LABEL_BYTES, MAX_USER_LABELS, ServerMetrics
+
+    m = ServerMetrics("SmolLM2-135M-Instruct")
+    kv = {"kv_block_seconds": 1.5, "prefill_tokens_computed": 10, "prefill_tokens_cached": 2}
+    for i in range(300):
+        user = f"{i}" + '"\\\n' * (1 << 12)
+        m.request_added(f"r{i}", 0.0, user)
+        m.record_output(types.SimpleNamespace(request_id=f"r{i}", outputs=[], finished=True, prompt_token_ids=[1],
+                                              num_cached_tokens=0, kv_cost=kv), now=1.0)
+    text = m.render()
+    users = {line.split('user="', 1)[1].rsplit('"}', 1)[0] for line in text.decode().splitlines()
+             if line.startswith("tinyvllm:user_requests_total")}
+    assert len(users) == MAX_USER_LABELS + 1 and "other" in users
+    assert all(len(u.encode()) <= 2 * MAX_LABEL_BYTES for u in users)  # escaped: at most twice the bytes
+    assert len(text) < METRICS_MAX_BYTES, len(text)
+
+
+def test_a_megabyte_user_keeps_metrics_small(server):
+    from tinyvllm.metrics.prometheus import bounded_label
+
+    user = "big-user-" + "u" * (1 << 20)
+    r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "user": user})
+    assert r.status_code == 200, r.text
+    label = f'user="{bounded_label(user)}"'
+    deadline = time.monotonic() + 10
+    while label not in (text := httpx.get(server.base + "/metrics", timeout=10).text):
+        assert time.monotonic() < deadline, "the user's counters never appeared"
+        time.sleep(0.1)
+    assert len(text.encode()) < METRICS_MAX_BYTES and "u" * 100 not in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -221,6 +222,34 @@ class CacheConfig:
             raise ValueError("kv_offload_path needs kv_offload_size (the size of the file tier, e.g. 8GiB)")
         if size and not self.enable_prefix_caching:
             raise ValueError("kv_offload_size needs prefix caching (the tier is keyed by the block hashes)")
+        if self.kv_offload_path is not None:
+            check_offload_dir(self.kv_offload_path)
+
+
+OFFLOAD_FILE_NAME = "kv_offload.bin"  # the disk tier's file in kv_offload_path (tinyvllm.worker.kv_offload)
+
+
+def check_offload_dir(path: str) -> None:
+    """Raise ``ValueError`` (naming ``kv_offload_path``) unless ``path`` is, or can be made, a writable
+    directory for the disk KV offload tier: not a regular file, not under one, its nearest existing
+    ancestor writable, and its ``kv_offload.bin`` (if there) a regular file. Checked when the config is
+    built, so a bad path is one line at start-up, not an error of the engine core after the model loads."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"kv_offload_path must be a directory path, got {path!r}")
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ValueError(f"kv_offload_path {path!r} is a file, not a directory (the tier is the file "
+                         f"{OFFLOAD_FILE_NAME} inside that directory)")
+    existing = p
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"kv_offload_path {path!r} cannot be created: {existing!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"kv_offload_path {path!r}: {existing!r} is not writable")
+    tier = os.path.join(p, OFFLOAD_FILE_NAME)
+    if os.path.lexists(tier) and not os.path.isfile(tier):
+        raise ValueError(f"kv_offload_path {path!r}: {tier!r} exists and is not a regular file")
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,13 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
 
             core = EngineCore(config, resolved)
         except Exception as e:
-            logger.exception("engine core failed to start")
+            # A bad option (max_model_len over the model's, an offload tier that cannot be made): the API
+            # process reports it in one line; the traceback only at debug level. (KVTierError by name: this
+            # handler must not import what may have failed to import.)
+            if isinstance(e, ValueError) or any(c.__name__ == "KVTierError" for c in type(e).__mro__):
+                logger.debug("engine core failed to start", exc_info=True)
+            else:
+                logger.exception("engine core failed to start")
             _send_error(out_sock, f"{type(e).__name__}: {e}")
             code = 1
             return

@@ -12,7 +12,7 @@ import sys
 from typing import Sequence
 
 from tinyvllm.config import EngineArgs
-from tinyvllm.entrypoints.openai.cli_args import add_server_args
+from tinyvllm.entrypoints.openai.cli_args import add_server_args, flag_message
 
 
 _FMT = argparse.ArgumentDefaultsHelpFormatter  # every subcommand's --help shows the defaults
@@ -187,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                 resolve_device(args.device)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.command in ("generate", "chat"):  # (serve checks its options itself, with the server's)
+        try:  # a bad option is one line now, not a traceback from the engine
+            EngineArgs.from_cli_args(args).create_engine_config()
+        except (TypeError, ValueError) as e:
+            print(f"error: {flag_message(str(e))}", file=sys.stderr)
             return 2
 
     try:

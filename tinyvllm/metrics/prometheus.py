@@ -11,6 +11,7 @@ one process never collide.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,20 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 MAX_USER_LABELS = 256  # distinct ``user`` label values; later users are counted under "other"
+MAX_LABEL_BYTES = 64  # a client-given label value longer than this (UTF-8 bytes) is cut, see bounded_label
+_LABEL_PREFIX_BYTES = MAX_LABEL_BYTES - 13  # ... to a prefix of at most this many bytes, "~" and 12 hex digits
+
+
+def bounded_label(value: str) -> str:
+    """``value`` as a Prometheus label value of at most :data:`MAX_LABEL_BYTES` UTF-8 bytes: unchanged if it
+    fits, else its longest prefix of at most 51 bytes (whole characters), ``~`` and the first 12 hex digits
+    of its SHA-256, so that long values stay readable and distinct (``/metrics`` then stays bounded: at most
+    :data:`MAX_USER_LABELS` + 1 user values of at most 64 bytes each, 128 once escaped)."""
+    raw = value.encode("utf-8", "replace")  # (a lone surrogate, which the API refuses anyway, becomes "?")
+    if len(raw) <= MAX_LABEL_BYTES:
+        return raw.decode("utf-8")
+    prefix = raw[:_LABEL_PREFIX_BYTES].decode("utf-8", "ignore")  # a cut multi-byte character is dropped
+    return f"{prefix}~{hashlib.sha256(raw).hexdigest()[:12]}"
 
 
 @dataclass
@@ -124,7 +139,7 @@ class ServerMetrics:
 
     # -------------------------------------------------------------- per request
     def request_added(self, request_id: str, arrival: float, user: str | None = None) -> None:
-        self._requests[request_id] = _ReqState(arrival, user=user or "")
+        self._requests[request_id] = _ReqState(arrival, user=bounded_label(user or ""))
 
     def request_aborted(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

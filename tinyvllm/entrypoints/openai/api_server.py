@@ -41,7 +41,7 @@ from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStar
 from tinyvllm.entrypoints.dashboard import add_dashboard_routes
 from tinyvllm.entrypoints.openai.middleware import APIKeyMiddleware, GuardMiddleware
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest)
+                                                  TokenizeRequest, json_type)
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
@@ -53,6 +53,10 @@ logger = logging.getLogger("tinyvllm.api_server")
 
 
 # ----------------------------------------------------------------------------- app
+
+
+# pydantic's error types for a value of the wrong JSON type (the request models are strict: nothing is coerced)
+_STRICT_TYPES = {"bool_type", "int_type", "float_type", "string_type", "list_type", "dict_type", "model_type"}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -69,7 +73,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(loc)
         if param is None and loc:
             param = loc[0]
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        msg = str(err.get("msg"))
+        if err.get("type") in _STRICT_TYPES:  # strict mode: say what was sent (e.g. a string for a boolean)
+            msg += f", got {json_type(err.get('input'))}"
+        parts.append(f"{where}: {msg}" if where else msg)
     return "invalid request: " + "; ".join(parts[:5]), param
 
 

@@ -4,6 +4,9 @@ parser imports neither the server (FastAPI, uvicorn) nor the engine."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import re
 
 from tinyvllm.config import EngineArgs
 
@@ -34,3 +37,50 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="format of the model's tool calls: <tool_call>{\"name\", \"arguments\"}</tool_call>")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and engine")
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """Check what argparse cannot about the server flags, before anything starts (a bad value then fails in
+    one line at once, not with a traceback after the model has loaded).
+
+    Raises:
+        ValueError: the message names the flag (``--port must be in 0..65535, got 70000``).
+    """
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_request_body_bytes is not None and args.max_request_body_bytes < 0:
+        raise ValueError(f"--max-request-body-bytes must be >= 0 (0: no cap), got {args.max_request_body_bytes}")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    for name in args.served_model_name or ():
+        if not name.strip():
+            raise ValueError("--served-model-name: a name must not be empty")
+    if args.port_file:
+        parent = os.path.dirname(os.path.abspath(args.port_file))
+        if os.path.isdir(args.port_file):
+            raise ValueError(f"--port-file {args.port_file!r} is a directory")
+        if not os.path.isdir(parent):
+            raise ValueError(f"--port-file {args.port_file!r}: the directory {parent!r} does not exist")
+    template = getattr(args, "chat_template", None)
+    if template is not None:
+        if not os.path.isfile(template):
+            raise ValueError(f"--chat-template {template!r}: no such file")
+        try:
+            with open(template, encoding="utf-8") as f:
+                f.read()
+        except OSError as e:
+            raise ValueError(f"--chat-template {template!r}: cannot read it ({e.strerror})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--chat-template {template!r}: not UTF-8 text") from None
+
+
+_FIELDS = {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def flag_message(message: str) -> str:
+    """A config error's message with its leading option name as the flag (``kv_offload_path ...`` ->
+    ``--kv-offload-path ...``), for the command line."""
+    m = re.match(r"([a-z_]+)\b", message)
+    if m and m.group(1) in _FIELDS:
+        return "--" + m.group(1).replace("_", "-") + message[m.end():]
+    return message

@@ -11,24 +11,36 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import socket
 
 from tinyvllm.config import EngineArgs
+from tinyvllm.entrypoints.openai.cli_args import check_server_args, flag_message
 
 logger = logging.getLogger("tinyvllm.api_server")
 
 
-def _port_free(host: str, port: int) -> bool:
+def _listen_error(host: str, port: int) -> tuple[str, int] | None:
+    """Why ``host:port`` cannot be listened on, as (one line naming the flag, exit code), or None.
+    A bad ``--host`` is an option error (2); a port in use is the machine's state (1)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except socket.gaierror as e:
+            return f"--host {host!r}: cannot resolve this address ({e.strerror})", 2
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return f"cannot listen on {host}:{port}: address already in use (--port)", 1
+            if e.errno == errno.EADDRNOTAVAIL:
+                return f"--host {host!r}: not an address of this machine", 2
+            if e.errno == errno.EACCES:
+                return f"--port {port}: permission denied (ports below 1024 need privileges)", 2
+            return f"cannot listen on {host}:{port} (--host, --port): {e.strerror or e}", 1
+    return None
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -36,16 +48,21 @@ def run_server(args: argparse.Namespace) -> int:
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
     logging.getLogger().setLevel(level)
     logging.getLogger("tinyvllm").setLevel(level)
+    # Every option error is one line and exit code 2 here, before any process starts (argparse's rule);
+    # what only the engine core can find (max_model_len over the model's, disk space) is one line too.
     try:
-        if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+        check_server_args(args)
+    except ValueError as e:
+        logger.error("invalid server options: %s", e)
+        return 2
+    try:
         config = EngineArgs.from_cli_args(args).create_engine_config()
     except (TypeError, ValueError) as e:
-        logger.error("invalid engine options: %s", e)
+        logger.error("invalid engine options: %s", flag_message(str(e)))
         return 2
-    if not _port_free(args.host, args.port):
-        logger.error("cannot listen on %s:%d: address already in use", args.host, args.port)
-        return 1
+    if (err := _listen_error(args.host, args.port)) is not None:
+        logger.error("%s", err[0])
+        return err[1]
     # Until uvicorn takes them over (and again after it hands them back), SIGINT/SIGTERM are only
     # recorded: start-up polls the record and stops in order, so no engine process is left behind.
     signals: list[int] = []
@@ -57,8 +74,12 @@ def run_server(args: argparse.Namespace) -> int:
 
         served = args.served_model_name
         # launch=True: the core process starts before the tokenizer (transformers) loads.
-        engine = AsyncLLM(config, served_model_name=served[0] if served else None, log_level=args.log_level,
-                          launch=True)
+        try:
+            engine = AsyncLLM(config, served_model_name=served[0] if served else None, log_level=args.log_level,
+                              launch=True)
+        except ValueError as e:  # ModelNotFoundError, or no usable tokenizer in the model directory
+            logger.error("cannot load the model (--model %s): %s", args.model, e)
+            return 2
         if signals:
             return 0
         from tinyvllm.entrypoints.openai import api_server  # FastAPI, uvicorn: while the core loads

@@ -6,7 +6,11 @@ Requests accept the OpenAI fields plus vLLM's sampling extensions (``top_k``,
 Unknown fields are ignored with a warning in the log (as vLLM does); known
 fields that are not implemented (:data:`UNSUPPORTED_FIELDS`) are answered 400.
 Text that is not valid Unicode (a lone UTF-16 surrogate such as ``"\ud800"``,
-which JSON allows) is answered 400 naming the field. Value ranges are
+which JSON allows) is answered 400 naming the field. Types are strict (pydantic strict mode, see
+:class:`OpenAIBaseModel`): a boolean field takes only JSON ``true``/``false``, an integer field only a JSON
+integer (not ``"16"``, not ``16.0``, not ``true``), a float field a JSON number (an integer such as
+``"temperature": 1`` is accepted, as in OpenAI) but not a string; anything else is a 400 naming the field.
+Value ranges are
 checked by :class:`~tinyvllm.sampling_params.SamplingParams`, whose
 ``ValueError`` names the field (the server answers 400 with ``param`` set).
 Responses are plain dicts encoded with msgspec in
@@ -15,6 +19,7 @@ the ``tinyvllm.entrypoints.openai.serving_*`` modules.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -51,6 +56,22 @@ def find_unencodable(value: Any, path: str = "") -> tuple[str, int] | None:
     return None
 
 
+def json_type(value: Any) -> str:
+    """What a JSON value is, for messages (``a string "false"``, ``the integer 1``)."""
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int):
+        return f"the integer {value}" if abs(value) < 10**20 else "an integer"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {json.dumps(value, ensure_ascii=False)}" if len(value) <= 40 else "a string"
+    if value is None:
+        return "null"
+    return "an array" if isinstance(value, (list, tuple)) else "an object" if isinstance(value, dict) \
+        else type(value).__name__
+
+
 class UnsupportedFieldError(ValueError):
     """A request field this server knows but does not implement (or a value over a server limit);
     ``param`` names it. Answered 400."""
@@ -61,7 +82,17 @@ class UnsupportedFieldError(ValueError):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Base of every request model: unknown fields ignored (logged), text checked for lone surrogates, and
+    pydantic's strict mode, so no value is coerced from another JSON type (``"parallel_tool_calls": "false"``,
+    ``"max_tokens": "16"``, ``"stream": 1``, ``"n": 2.0`` are 400s, not honoured). A JSON integer is a
+    valid float (``"temperature": 1``). Fields that stay lax on purpose are free-form objects the server
+    passes on rather than reads as typed values: ``chat_template_kwargs`` (the template decides what its
+    variables mean), ``structured_outputs`` (checked by :class:`StructuredOutputsParams`, which takes no
+    coerced values either), ``response_format`` / ``tools`` / ``tool_choice`` (checked by hand where they are
+    read: ``response_format.json_schema.strict`` and ``tools[].function.strict`` must be booleans) and the
+    extra keys of a chat message (``tool_calls``...)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -216,11 +247,16 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """One chat message; extra keys (``tool_calls``...) are kept for the chat template. Strict types, as
+    :class:`OpenAIBaseModel`. A ``tool`` message needs a ``tool_call_id`` that names a tool call of an
+    earlier assistant message (checked with the whole conversation, in ``serving_engine``)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -259,6 +295,9 @@ class ChatCompletionRequest(_SamplingFields):
             if not isinstance(js, dict) or not isinstance(js.get("name"), str):
                 raise InvalidRequestError("response_format.json_schema must be an object with a 'name' "
                                           "and a 'schema'", "response_format")
+            if js.get("strict") is not None and not isinstance(js["strict"], bool):
+                raise InvalidRequestError(f"response_format.json_schema.strict must be a boolean (true or false), "
+                                          f"got {json_type(js['strict'])}", "response_format")
             schema = js.get("schema", {})
             if not isinstance(schema, (dict, bool)):
                 raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",

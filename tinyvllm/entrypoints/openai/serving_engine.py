@@ -277,6 +277,23 @@ def max_token_chars(tokenizer: Any) -> int:
     return _MAX_TOKEN_CHARS[key]
 
 
+def _check_tool_call_id(i: int, call_id: str | None, known: set[str]) -> None:
+    """A ``tool`` message (``messages[i]``) answers a call: its ``tool_call_id`` must be given and be the
+    ``id`` of a tool call of an earlier assistant message (as OpenAI requires).
+
+    Raises:
+        InvalidRequestError: ``param="messages[i].tool_call_id"``.
+    """
+    param = f"messages[{i}].tool_call_id"
+    if not call_id:
+        raise InvalidRequestError(f"{param}: a message with role 'tool' needs a tool_call_id (the id of the "
+                                  f"assistant's tool call it answers)", param)
+    if call_id not in known:
+        shown = call_id if len(call_id) <= 64 else call_id[:64] + "..."
+        raise InvalidRequestError(f"{param}: {shown!r} is not the id of a tool call of an earlier assistant "
+                                  f"message (known: {', '.join(sorted(known)[:8]) or 'none'})", param)
+
+
 # ----------------------------------------------------------------------------- base
 
 
@@ -352,12 +369,18 @@ class OpenAIServing:
                          tools: list[dict] | None = None) -> list[int]:
         msgs = []
         chars = 0
+        call_ids: set[str] = set()  # ids of the tool calls of the assistant messages so far
         for i, m in enumerate(messages):
             d = m.model_dump(exclude_none=True)
             chars += len(str(d.get("content") or ""))
             if d.get("role") not in _CHAT_ROLES:
                 raise InvalidRequestError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, "
                                           f"got {d.get('role')!r}", "messages")
+            if d["role"] == "assistant" and isinstance(d.get("tool_calls"), list):
+                call_ids.update(c["id"] for c in d["tool_calls"]
+                                if isinstance(c, dict) and isinstance(c.get("id"), str))
+            elif d["role"] == "tool":
+                _check_tool_call_id(i, d.get("tool_call_id"), call_ids)
             if d["role"] == "developer":
                 d["role"] = "system"
             msgs.append(d)

@@ -60,6 +60,8 @@ def check_tools(tools: Any) -> list[dict]:
         if name in names:
             raise InvalidRequestError(f"tools[{i}].function.name {name!r} is not unique", "tools")
         names.add(name)
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise InvalidRequestError(f"tools[{i}].function.strict must be a boolean (true or false)", "tools")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise InvalidRequestError(f"tools[{i}].function.parameters must be a JSON schema of type object",
