@@ -153,14 +153,89 @@ def test_tool_choice_required(client):
     _check_calls(ch.message.tool_calls, SCHEMAS)
 
 
-def test_parallel_tool_calls(client):
-    # The small model keeps calling tools until max_tokens: every complete call validates, and the
-    # call cut by the limit is left in the content.
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       temperature=0, max_completion_tokens=100)
-    ch = r.choices[0]
-    assert ch.finish_reason in ("tool_calls", "length") and len(ch.message.tool_calls) >= 1
-    _check_calls(ch.message.tool_calls, SCHEMAS)
+MARKUP = ("<tool_call>", "</tool_call>", "<tool", "</tool", "tool_call", '{"name"')
+
+
+def _chat(client, stream: bool, **kw) -> tuple[str | None, list[tuple[str, str]], str, list[str]]:
+    """``(content, [(name, arguments)], finish_reason, content deltas)`` of one chat completion, streamed
+    (the deltas put together as a client does) or not."""
+    if not stream:
+        ch = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+        return ch.message.content, calls, ch.finish_reason, []
+    deltas, calls, finish = [], {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.delta.content:
+                deltas.append(ch.delta.content)
+            for tc in ch.delta.tool_calls or []:
+                c = calls.setdefault(tc.index, ["", ""])
+                c[0] += (tc.function.name or "") if tc.function else ""
+                c[1] += (tc.function.arguments or "") if tc.function else ""
+            finish = ch.finish_reason or finish
+    return "".join(deltas) or None, [tuple(c) for c in calls.values()], finish, deltas
+
+
+def _no_markup(content, deltas):
+    for text in [content or ""] + deltas:
+        assert not any(m in text for m in MARKUP), repr(text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_parallel_tool_calls_cut_by_max_tokens(client, stream):
+    # Issue 41: the small model keeps calling tools until max_tokens. Every complete call validates and
+    # is returned; the call cut by the limit is dropped, never left in the content (nor streamed as
+    # delta.content), and finish_reason stays "length".
+    content, calls, finish, deltas = _chat(client, stream, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           temperature=0, max_completion_tokens=60)
+    assert finish == "length" and len(calls) >= 1
+    for name, args in calls:
+        jsonschema.validate(json.loads(args), SCHEMAS[name])
+    assert not content and not deltas
+    _no_markup(content, deltas)
+
+
+TREE = {"type": "function", "function": {
+    "name": "make_tree", "description": "Build a tree of named nodes",
+    "parameters": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "children": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["name", "children"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("tools,max_tokens", [(TOOLS, 12), ([TREE], 40)], ids=["first-call-cut", "recursive"])
+def test_call_cut_before_its_end_leaves_no_markup(client, stream, tools, max_tokens):
+    # Issue 41: cut inside the first call (and a recursive schema that nests until the limit): no call,
+    # no content, finish_reason "length"; not a byte of the call syntax in content or any delta.
+    content, calls, finish, deltas = _chat(client, stream, messages=ASK, tools=tools, tool_choice="required",
+                                           temperature=0, max_completion_tokens=max_tokens)
+    assert finish == "length" and calls == [] and not content and not deltas
+    _no_markup(content, deltas)
+
+
+def test_cut_markup_dropped_by_the_parsers():
+    # The rule at the parsers, for every way the cut can fall (within "<tool_call>", the JSON, between
+    # calls), streamed in pieces of every size and not streamed: same calls, no markup.
+    from tinyvllm.entrypoints.openai.tool_calls import HermesToolParser, StreamingToolCallParser
+    one = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    full = "Sure.\n" + one + "\n" + one
+    for cut in range(len(full) + 1):
+        text = full[:cut]
+        want = text.count("</tool_call>")
+        content, calls = HermesToolParser().extract(text)
+        content = (content or "").strip()
+        assert len(calls) == want and "Sure.".startswith(content), (cut, content)
+        _no_markup(content, [])
+        for step in (1, 2, 5, 13):
+            p, out, n = StreamingToolCallParser(), "", 0
+            pieces = [text[k:k + step] for k in range(0, len(text), step)] or [""]
+            for k, piece in enumerate(pieces):
+                c, chunks = p.feed(piece, final=k == len(pieces) - 1)
+                out += c
+                n += len(chunks)
+            assert n == 2 * want and out.strip() == content, (cut, step, out)
+            _no_markup(out, [])
 
 
 def test_tool_choice_named(client):

@@ -87,11 +87,11 @@ class OpenAIServingChat(OpenAIServing):
             lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
             message: dict = {"role": "assistant", "content": ch.text}
             finish = ch.finish_reason
-            if use_tools:
+            if use_tools:  # an unfinished call (cut by max_tokens) is dropped, never left in the content
                 content, calls = HermesToolParser().extract(ch.text)
+                message = {"role": "assistant", "content": content if content is not None or ch.text else ""}
                 if calls:
-                    message = {"role": "assistant", "content": content,
-                               "tool_calls": [c.as_openai() for c in calls]}
+                    message["tool_calls"] = [c.as_openai() for c in calls]
                     if finish == "stop":
                         finish = "tool_calls"
             out_choices.append({"index": idx, "message": message,

@@ -130,12 +130,28 @@ class HermesToolParser:
     """Parses ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks out of the model's text."""
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """``(content, calls)``: the text outside the blocks (None if empty) and the parsed calls."""
+        """``(content, calls)``: the text outside the blocks (None if empty) and the parsed calls.
+
+        An unfinished call (a ``<tool_call>`` with no ``</tool_call>`` after it: the output was cut by
+        ``max_tokens`` or a stop string) is dropped, as is a partial ``<tool_call`` at the very end: the
+        call syntax never reaches the content. The complete calls before it are returned.
+        """
+        text = _drop_unfinished(text)
         calls = [c for c in (_parse_one(m.group(1)) for m in _CALL_RE.finditer(text)) if c is not None]
         if not calls:
-            return text, []
+            return text or None, []
         content = _CALL_RE.sub("", text).strip()
         return content or None, calls
+
+
+def _drop_unfinished(text: str) -> str:
+    """``text`` without an unfinished call at its end (from its ``<tool_call>`` on) or a partial
+    ``<tool_call`` suffix."""
+    i = text.rfind(TOOL_CALL_START)
+    if i >= 0 and text.find(TOOL_CALL_END, i) < 0:
+        return text[:i].rstrip()
+    keep = _partial_suffix(text, TOOL_CALL_START)
+    return text[:len(text) - keep].rstrip() if keep else text
 
 
 class StreamingToolCallParser:
@@ -156,18 +172,17 @@ class StreamingToolCallParser:
         while True:
             if not self.in_call:
                 i = self.buffer.find(TOOL_CALL_START)
-                if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buffer, TOOL_CALL_START)
+                if i < 0:  # a partial "<tool_call" at the end: held back, dropped at the end of the output
+                    keep = _partial_suffix(self.buffer, TOOL_CALL_START)
                     content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    self.buffer = "" if final else self.buffer[len(self.buffer) - keep:]
                     break
                 content += self.buffer[:i]
                 self.buffer = self.buffer[i:]
                 self.in_call = True
             j = self.buffer.find(TOOL_CALL_END)
             if j < 0:
-                if final:  # an unfinished call (length): send its text as content
-                    content += self.buffer
+                if final:  # an unfinished call (cut by max_tokens or a stop string): dropped
                     self.buffer = ""
                 break
             body = self.buffer[len(TOOL_CALL_START):j]
