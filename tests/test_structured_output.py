@@ -238,6 +238,16 @@ def test_cut_markup_dropped_by_the_parsers():
             _no_markup(out, [])
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_parallel_tool_calls_false_stops_after_one_call(client, stream):
+    # Issue 41: where parallel calls go on (get_weather, search_web, get_weather... until max_tokens in
+    # the test above), parallel_tool_calls=false makes the grammar end the output after the first call.
+    content, calls, finish, deltas = _chat(client, stream, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_completion_tokens=200)
+    assert finish == "tool_calls" and len(calls) == 1 and not content and not deltas
+    jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
+
+
 def test_tool_choice_named(client):
     r = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_completion_tokens=100,

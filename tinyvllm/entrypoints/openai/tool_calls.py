@@ -14,6 +14,9 @@ The model writes a call as (Hermes / Qwen / tinyvllm's own template,
 * ``"auto"``: free text, and the text ``<tool_call>`` triggers the grammar of a call
   (``triggered_tags``, xgrammar's lazy grammar); the arguments then follow the schema too;
 * ``"none"``: the tools are not shown to the model and nothing is parsed.
+
+A call cut before its ``</tool_call>`` (``max_tokens``, a stop string) is dropped, in the content and
+in the stream alike: the call syntax never reaches ``content`` (README, issue 41).
 """
 
 from __future__ import annotations
