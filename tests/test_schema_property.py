@@ -11,7 +11,7 @@ server runs (:func:`tinyvllm.structured_output.validate`, a 400 over HTTP: see
 all requests in one ``generate`` batch), both as ``json`` and, for object schemas, as a tool's
 ``parameters`` (the structural tag of ``tool_choice="required"``); every output that finished
 (``finish_reason == "stop"``) must pass ``jsonschema.validate``. Outputs cut by ``max_tokens`` are
-counted apart and must be few.
+counted apart and must be few (at most 10%).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import re
 
 import jsonschema
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,8 +62,11 @@ def leaf(draw) -> dict:
                                         "exclusiveMaximum": st.integers(-20, 20)})}
         if draw(st.integers(0, 3)) == 0:
             s["multipleOf"] = draw(st.sampled_from([2, 3, 0.5]))
-        if t == "number" and not ({"maximum", "exclusiveMaximum"} & set(s)):
-            s["maximum"] = 100  # short numbers
+        if "multipleOf" not in s:  # short numbers: a sampled unbounded integer may run to max_tokens
+            if not {"maximum", "exclusiveMaximum"} & set(s):
+                s["maximum"] = 100
+            if not {"minimum", "exclusiveMinimum"} & set(s):
+                s["minimum"] = -100
         return s
     if t == "boolean":
         return {"type": "boolean"}
@@ -107,6 +109,8 @@ def schema(draw, depth: int = 2) -> dict:
         if draw(st.integers(0, 5)) == 5:
             s["patternProperties"] = {"^x": {"type": "integer", "minimum": 0, "maximum": 9}}
         s.update(_maybe(draw, {"minProperties": st.integers(0, 3), "maxProperties": st.integers(0, 3)}))
+        if (ap in (True, "schema") or "patternProperties" in s) and "maxProperties" not in s:
+            s["maxProperties"] = len(names) + 1  # the model's made-up keys are long: few of them
         return s
     if kind == "array":
         s = {"type": "array"}
@@ -191,7 +195,7 @@ def refused(so: SO, param: str) -> str | None:
 TOOL_RE = re.compile(r'<tool_call>\n\{"name": "f", "arguments": (.*)\}\n</tool_call>', re.S)
 
 
-def run_property(llm, n_schemas: int, max_tokens: int = 96) -> dict:
+def run_property(llm, n_schemas: int, max_tokens: int = 128) -> dict:
     schemas = generate_schemas(n_schemas)
     assert len(schemas) == n_schemas
     seen = set().union(*(keywords_of(s, set()) for s in schemas))
@@ -203,7 +207,8 @@ def run_property(llm, n_schemas: int, max_tokens: int = 96) -> dict:
         why = refused(SO(json=s), "response_format")
         if why is not None:
             stats["refused"] += 1
-            kw = why.split(" at ", 1)[-1].split(":", 1)[0].rsplit("/", 1)[-1] if " at " in why else why[:40]
+            kw = (why.split(" at ", 1)[-1].split(":", 1)[0].rsplit("/", 1)[-1] if " at " in why
+                  else "xgrammar: " + why.split(": ", 2)[-1][:30])
             stats["reasons"][kw] = stats["reasons"].get(kw, 0) + 1
         else:
             stats["accepted"] += 1
@@ -223,12 +228,13 @@ def run_property(llm, n_schemas: int, max_tokens: int = 96) -> dict:
     params = [SamplingParams(temperature=1.0, seed=1000 + i, n=2, max_tokens=max_tokens, structured_outputs=so)
               for i, (_, _, so, _) in enumerate(jobs)]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    bad = []
+    bad, cut = [], []
     for (kind, s, _, i), out in zip(jobs, outs):
         for c in out.outputs:
             stats["outputs"] += 1
             if c.finish_reason != "stop":
                 stats["cut"] += 1
+                cut.append((kind, s, c.text[-60:]))
                 continue
             text = c.text
             if kind == "tool":
@@ -243,20 +249,13 @@ def run_property(llm, n_schemas: int, max_tokens: int = 96) -> dict:
             except (ValueError, jsonschema.ValidationError) as e:
                 bad.append((kind, s, text, str(e).splitlines()[0]))
     assert not bad, f"{len(bad)} outputs fail their schema; first ones: {bad[:5]}"
-    assert stats["cut"] <= 0.1 * stats["outputs"], stats
+    assert stats["cut"] <= 0.1 * stats["outputs"], (stats, cut[:5])
     return stats
 
 
-def test_every_output_validates_or_the_schema_is_refused_fast(smol_llm):
-    """A fast subset (60 schemas) for the default run."""
-    stats = run_property(smol_llm, 60)
-    print(stats)
-    assert stats["accepted"] >= 20 and stats["refused"] >= 5
-
-
-@pytest.mark.slow
 def test_every_output_validates_or_the_schema_is_refused(smol_llm):
-    """The full property: 240 generated schemas."""
+    """240 generated schemas (about 20 s on 2 cores): every keyword above appears; a good share of the
+    schemas is refused and most are decoded."""
     stats = run_property(smol_llm, 240)
     print(stats)
-    assert stats["accepted"] >= 80 and stats["refused"] >= 20
+    assert stats["accepted"] >= 80 and stats["refused"] >= 20 and stats["validated"] >= 150

@@ -161,7 +161,10 @@ def find_unenforceable(schema: Any, root: Any = None, path: str = "") -> str | N
       ``anyOf``), and assertions next to ``anyOf``/``oneOf``/``allOf``/``$ref`` (ignored there);
     * a ``const`` or ``enum`` value that fails the keywords next to it (the value is allowed as is);
     * ``minLength``/``maxLength`` together with ``pattern`` or ``format`` (the bounds are dropped);
-    * ``multipleOf`` other than a whole number on an ``integer`` (not enforced on numbers);
+    * ``multipleOf`` other than a whole number on an ``integer`` (not enforced on numbers), or next to
+      a lower bound without an upper one or the other way round;
+    * ``minProperties`` above the number of ``required`` names where ``additionalProperties`` or
+      ``patternProperties`` allow other keys (the grammar lets a key repeat, which counts once);
     * type-specific keywords (``minLength``, ``minimum``, ``required``, ...) on a node without a ``type``
       xgrammar can see (ignored).
     """
@@ -193,6 +196,16 @@ def find_unenforceable(schema: Any, root: Any = None, path: str = "") -> str | N
         whole = isinstance(m, int) or (isinstance(m, float) and m.is_integer())
         if not (whole and types is not None and types <= {"integer"}):
             return f"{path}/multipleOf: multipleOf is enforced only as a whole number on type integer"
+        lower = sum(k in schema for k in ("minimum", "exclusiveMinimum"))
+        upper = sum(k in schema for k in ("maximum", "exclusiveMaximum"))
+        if (lower, upper) not in ((0, 0), (1, 1)):
+            return (f"{path}/multipleOf: multipleOf is enforced only with no bounds or with one lower and one "
+                    f"upper bound (minimum or exclusiveMinimum, maximum or exclusiveMaximum)")
+    extra = schema.get("additionalProperties", False) is not False or "patternProperties" in schema
+    n_req = len(req) if isinstance(req := schema.get("required"), list) else 0
+    if extra and isinstance(schema.get("minProperties"), int) and schema["minProperties"] > n_req:
+        return (f"{path}/minProperties: minProperties is not enforced where additionalProperties or "
+                f"patternProperties allow other keys (a key may be repeated)")
     req = schema.get("required")
     if isinstance(req, list) and req:
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
