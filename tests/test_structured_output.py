@@ -332,6 +332,8 @@ def test_required_name_not_in_properties_is_400_naming_required(server, body, pa
     ({"minLength": 2}, "minLength"),
     ({"anyOf": []}, "anyOf"),
     ({"type": []}, "type"),
+    ({"$schema": 5, "type": "integer"}, "$schema"),  # was a 500 in the check's first version
+    ({"type": "object", "const": {"a": 1}, "properties": {"a": {"$ref": "#/nowhere"}}}, "const"),  # ditto
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_unenforceable_schema_is_400_naming_the_keyword(server, schema, keyword):
     """Each of these compiled in xgrammar 0.2.9, and the grammar let through a value the schema rejects."""

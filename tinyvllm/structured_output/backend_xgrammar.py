@@ -143,10 +143,21 @@ def _value_fails(value: Any, rest: dict, root: Any) -> str | None:
         for k in ("$defs", "definitions"):
             if isinstance(root.get(k), dict):
                 doc.setdefault(k, root[k])
-    cls = jsonschema.validators.validator_for(root if isinstance(root, dict) else {},
-                                              default=jsonschema.Draft202012Validator)
-    err = jsonschema.exceptions.best_match(cls(doc).iter_errors(value))
+    try:
+        err = jsonschema.exceptions.best_match(_validator_class(root)(doc).iter_errors(value))
+    except Exception as e:  # noqa: BLE001 - a $ref that does not resolve here: the value cannot be checked
+        return f"it cannot be checked: {e}"
     return None if err is None else err.message
+
+
+def _validator_class(schema: Any) -> Any:
+    """jsonschema's validator for ``schema``'s ``$schema`` (draft 2020-12 if absent or unknown)."""
+    import jsonschema
+
+    default = jsonschema.Draft202012Validator
+    if not isinstance(schema, dict) or not isinstance(schema.get("$schema"), str):
+        return default
+    return jsonschema.validators.validator_for(schema, default=default)
 
 
 def find_unenforceable(schema: Any, root: Any = None, path: str = "") -> str | None:
@@ -238,10 +249,10 @@ def check_json_schema(schema: Any, param: str) -> None:
         raise GrammarError(f"{param}: a JSON schema must be an object or a boolean", param)
     if (kw := find_unsupported_keyword(schema)) is not None:
         raise GrammarError(f"{param}: unsupported JSON schema keyword at {kw or '/'}", param)
-    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {},
-                                              default=jsonschema.Draft202012Validator)
+    if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        raise GrammarError(f"{param}: invalid JSON schema at /$schema: must be a string (a URI)", param)
     try:
-        cls.check_schema(schema)
+        _validator_class(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.path)
         raise GrammarError(f"{param}: invalid JSON schema at {where}: {e.message}", param) from None
