@@ -380,3 +380,51 @@ def test_bench_serve_agent_answers_are_constrained_tool_calls(server):
     for r in res["requests"]:
         call = json.loads(r["generated_text"])
         assert call["name"] in ds.AGENT_TOOL_NAMES and r["output_tokens"] < 128  # ended by the grammar
+
+
+# ----------------------------------------------------------------------------- schemas the grammar cannot enforce
+
+ISSUE41 = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ISSUE41}}}, "response_format"),
+    ({"structured_outputs": {"json": ISSUE41}}, "structured_outputs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ISSUE41}}], "tool_choice": "required"},
+     "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ISSUE41}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+], ids=["response_format", "structured_outputs", "tool-required", "tool-named"])
+def test_required_name_not_in_properties_is_400_naming_required(server, body, param):
+    """Issue 41: no value satisfies this schema (``b`` is required, only ``a`` may appear); it was accepted
+    and answered ``{"a": 123}``. Now a 400 naming the field and the keyword."""
+    r = _post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 20, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == 400
+    assert "/required" in err["message"] and "'b'" in err["message"]
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "allOf"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"type": "string", "const": 1}, "const"),
+    ({"type": "string", "minLength": 2, "enum": ["a", "bb"]}, "enum"),
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, "pattern"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "integer", "minimum": 0, "multipleOf": 2}, "multipleOf"),
+    ({"type": "object", "additionalProperties": True, "minProperties": 2}, "minProperties"),
+    ({"$ref": "#/$defs/n", "minimum": 3, "$defs": {"n": {"type": "integer"}}}, "$ref"),
+    ({"minLength": 2}, "minLength"),
+    ({"anyOf": []}, "anyOf"),
+    ({"type": []}, "type"),
+    ({"$schema": 5, "type": "integer"}, "$schema"),  # was a 500 in the check's first version
+    ({"type": "object", "const": {"a": 1}, "properties": {"a": {"$ref": "#/nowhere"}}}, "const"),  # ditto
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_unenforceable_schema_is_400_naming_the_keyword(server, schema, keyword):
+    """Each of these compiled in xgrammar 0.2.9, and the grammar let through a value the schema rejects."""
+    r = _post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 20, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and f"/{keyword}" in err["message"], err

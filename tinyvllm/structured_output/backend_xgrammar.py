@@ -69,6 +69,209 @@ def find_unsupported_keyword(schema: Any, path: str = "") -> str | None:
     return None
 
 
+# Keywords that only annotate: xgrammar and a validator both ignore them, so they may sit next to anything.
+_ANNOTATIONS = frozenset({
+    "title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated", "readOnly",
+    "writeOnly", "$anchor", "$defs", "definitions", "contentEncoding", "contentMediaType", "format", "strict",
+})
+# Keywords that constrain one JSON type; xgrammar applies them only where it knows the node's type.
+_TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "object": ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+               "maxProperties"),
+    "array": ("items", "prefixItems", "minItems", "maxItems"),
+}
+
+
+def _subschemas(node: dict, path: str):
+    """``(subschema, path)`` for every direct subschema of ``node`` (the walk of :func:`find_unsupported_keyword`)."""
+    for k, v in node.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            for name, sub in v.items():
+                yield sub, f"{path}/{k}/{name}"
+        elif k in _SCHEMA_LISTS and isinstance(v, list):
+            for i, sub in enumerate(v):
+                yield sub, f"{path}/{k}/{i}"
+        elif k in _SCHEMA_ONE and isinstance(v, dict):
+            yield v, f"{path}/{k}"
+
+
+def _types(node: dict) -> set[str] | None:
+    """The JSON types ``node`` allows as xgrammar sees them: ``type``, or inferred from ``properties``
+    (object) or ``items``/``prefixItems`` (array); None where it is untyped."""
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    if "properties" in node:
+        return {"object"}
+    if "items" in node or "prefixItems" in node:
+        return {"array"}
+    return None
+
+
+def _disjoint_branches(branches: list) -> bool:
+    """Whether no value can match two of ``oneOf``'s branches, as far as a syntactic look tells: each
+    branch one distinct ``type`` (``integer`` and ``number`` overlap), or each a ``const``/``enum`` with
+    no value in common."""
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    if all(isinstance(b.get("type"), str) for b in branches):
+        ts = [b["type"] for b in branches]
+        return len(set(ts)) == len(ts) and not {"integer", "number"} <= set(ts)
+    seen: set[str] = set()
+    for b in branches:
+        vals = [b["const"]] if "const" in b else b.get("enum") if isinstance(b.get("enum"), list) else None
+        if vals is None:
+            return False
+        keys = {json.dumps(v, sort_keys=True) for v in vals}
+        if keys & seen:
+            return False
+        seen |= keys
+    return True
+
+
+def _value_fails(value: Any, rest: dict, root: Any) -> str | None:
+    """jsonschema's message if ``value`` does not validate against ``rest`` (``root``'s ``$defs`` and
+    ``definitions`` kept so that ``$ref`` resolves), else None."""
+    import jsonschema
+
+    doc = dict(rest)
+    if isinstance(root, dict):
+        for k in ("$defs", "definitions"):
+            if isinstance(root.get(k), dict):
+                doc.setdefault(k, root[k])
+    try:
+        err = jsonschema.exceptions.best_match(_validator_class(root)(doc).iter_errors(value))
+    except Exception as e:  # noqa: BLE001 - a $ref that does not resolve here: the value cannot be checked
+        return f"it cannot be checked: {e}"
+    return None if err is None else err.message
+
+
+def _validator_class(schema: Any) -> Any:
+    """jsonschema's validator for ``schema``'s ``$schema`` (draft 2020-12 if absent or unknown)."""
+    import jsonschema
+
+    default = jsonschema.Draft202012Validator
+    if not isinstance(schema, dict) or not isinstance(schema.get("$schema"), str):
+        return default
+    return jsonschema.validators.validator_for(schema, default=default)
+
+
+def find_unenforceable(schema: Any, root: Any = None, path: str = "") -> str | None:
+    """Why xgrammar 0.2.9 would not enforce ``schema`` (``"<path>/<keyword>: <reason>"``), or None.
+
+    xgrammar compiles these schemas without an error but its grammar lets through values that fail
+    the schema (each found by trying it; see ``tests/test_structured_output.py``'s property test):
+
+    * a ``required`` name not in ``properties`` (it generates only listed properties: nothing, or an
+      object without the name, can satisfy the grammar and the schema at once);
+    * ``allOf`` with more than one subschema, ``oneOf`` whose branches may overlap (it is read as
+      ``anyOf``), and assertions next to ``anyOf``/``oneOf``/``allOf``/``$ref`` (ignored there);
+    * a ``const`` or ``enum`` value that fails the keywords next to it (the value is allowed as is);
+    * ``minLength``/``maxLength`` together with ``pattern`` or ``format`` (the bounds are dropped);
+    * ``multipleOf`` other than a whole number on an ``integer`` (not enforced on numbers), or next to
+      a lower bound without an upper one or the other way round;
+    * ``minProperties`` above the number of ``required`` names where ``additionalProperties`` or
+      ``patternProperties`` allow other keys (the grammar lets a key repeat, which counts once);
+    * type-specific keywords (``minLength``, ``minimum``, ``required``, ...) on a node without a ``type``
+      xgrammar can see (ignored).
+    """
+    if root is None:
+        root = schema
+    if not isinstance(schema, dict):
+        return None
+    keys = set(schema) - _ANNOTATIONS
+    for comb in ("$ref", "anyOf", "oneOf", "allOf"):
+        if comb in schema and (others := sorted(keys - {comb})):
+            return (f"{path}/{comb}: the keywords next to {comb} ({', '.join(others)}) are not enforced; "
+                    f"move them into the {'referenced schema' if comb == '$ref' else comb + ' subschemas'}")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"{path}/allOf: allOf with more than one subschema is not enforced"
+    if isinstance(schema.get("oneOf"), list) and len(schema["oneOf"]) > 1 and not _disjoint_branches(schema["oneOf"]):
+        return (f"{path}/oneOf: oneOf is enforced only where its branches cannot overlap (one distinct type "
+                f"or distinct const/enum values each); use anyOf")
+    types = _types(schema)
+    if types is None and "const" not in schema and "enum" not in schema:
+        for kws in _TYPE_KEYWORDS.values():
+            for kw in kws:
+                if kw in schema:
+                    return f"{path}/{kw}: {kw} is enforced only on a schema with a 'type'"
+    if ("minLength" in schema or "maxLength" in schema) and ("pattern" in schema or "format" in schema):
+        which = "pattern" if "pattern" in schema else "format"
+        return f"{path}/{which}: minLength/maxLength together with {which} are not enforced"
+    if "multipleOf" in schema:
+        m = schema["multipleOf"]
+        whole = isinstance(m, int) or (isinstance(m, float) and m.is_integer())
+        if not (whole and types is not None and types <= {"integer"}):
+            return f"{path}/multipleOf: multipleOf is enforced only as a whole number on type integer"
+        lower = sum(k in schema for k in ("minimum", "exclusiveMinimum"))
+        upper = sum(k in schema for k in ("maximum", "exclusiveMaximum"))
+        if (lower, upper) not in ((0, 0), (1, 1)):
+            return (f"{path}/multipleOf: multipleOf is enforced only with no bounds or with one lower and one "
+                    f"upper bound (minimum or exclusiveMinimum, maximum or exclusiveMaximum)")
+    extra = schema.get("additionalProperties", False) is not False or "patternProperties" in schema
+    n_req = len(req) if isinstance(req := schema.get("required"), list) else 0
+    if extra and isinstance(schema.get("minProperties"), int) and schema["minProperties"] > n_req:
+        return (f"{path}/minProperties: minProperties is not enforced where additionalProperties or "
+                f"patternProperties allow other keys (a key may be repeated)")
+    req = schema.get("required")
+    if isinstance(req, list) and req:
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        for name in req:
+            if name not in props:
+                return (f"{path}/required: {name!r} is required but not in properties (only the properties "
+                        f"listed are generated)")
+    for kw in ("const", "enum"):
+        if kw not in schema:
+            continue
+        rest = {k: v for k, v in schema.items() if k != kw and k not in _ANNOTATIONS}
+        if not rest:
+            continue
+        values = [schema[kw]] if kw == "const" else schema[kw] if isinstance(schema[kw], list) else []
+        for v in values:
+            if (why := _value_fails(v, rest, root)) is not None:
+                return f"{path}/{kw}: the value {json.dumps(v)} fails the keywords next to {kw} ({why})"
+    for sub, sub_path in _subschemas(schema, path):
+        if (hit := find_unenforceable(sub, root, sub_path)) is not None:
+            return hit
+    return None
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """Refuse (``GrammarError`` naming ``param``) a schema that is not a valid JSON schema (by its
+    meta-schema), uses a keyword xgrammar ignores, or that xgrammar would not enforce."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{param}: a JSON schema must be an object or a boolean", param)
+    if (kw := find_unsupported_keyword(schema)) is not None:
+        raise GrammarError(f"{param}: unsupported JSON schema keyword at {kw or '/'}", param)
+    if isinstance(schema, dict) and "$schema" in schema and not isinstance(schema["$schema"], str):
+        raise GrammarError(f"{param}: invalid JSON schema at /$schema: must be a string (a URI)", param)
+    try:
+        _validator_class(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:
+        where = "/" + "/".join(str(p) for p in e.path)
+        raise GrammarError(f"{param}: invalid JSON schema at {where}: {e.message}", param) from None
+    if (why := find_unenforceable(schema)) is not None:
+        raise GrammarError(f"{param}: JSON schema keyword that cannot be enforced at {why}", param)
+
+
+def _tag_schemas(tag: Any):
+    """Every JSON schema inside an xgrammar structural tag (``{"type": "json_schema", "json_schema": S}``)."""
+    if isinstance(tag, dict):
+        if tag.get("type") == "json_schema" and "json_schema" in tag:
+            yield tag["json_schema"]
+        for v in tag.values():
+            yield from _tag_schemas(v)
+    elif isinstance(tag, list):
+        for v in tag:
+            yield from _tag_schemas(v)
+
+
 def choice_ebnf(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are xgrammar's)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -99,10 +302,7 @@ def _grammar(so: StructuredOutputsParams, param: str) -> Any:
                 schema = json.loads(spec)
             except ValueError as e:
                 raise GrammarError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
-            if not isinstance(schema, (dict, bool)):
-                raise GrammarError(f"{param}: a JSON schema must be an object or a boolean", param)
-            if (kw := find_unsupported_keyword(schema)) is not None:
-                raise GrammarError(f"{param}: unsupported JSON schema keyword at {kw or '/'}", param)
+            check_json_schema(schema, param)
             return G.from_json_schema(spec, any_whitespace=False, strict_mode=True)
         if kind == "json_object":
             return G.from_json_schema('{"type": "object"}', any_whitespace=False)
@@ -113,6 +313,12 @@ def _grammar(so: StructuredOutputsParams, param: str) -> Any:
         if kind == "grammar":
             return G.from_ebnf(spec)
         if kind == "structural_tag":
+            try:
+                tag = json.loads(spec)
+            except ValueError:
+                tag = None  # xgrammar reports it
+            for schema in _tag_schemas(tag):
+                check_json_schema(schema, param)
             return G.from_structural_tag(spec)
     except GrammarError:
         raise
