@@ -468,18 +468,19 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
 // to bf16, l += the rounded P lane-wise, o += P V in float32. Precision (issue 37): P V must read
 // bf16 probabilities, and two choices keep that rounding far below the bf16 rounding of the output
 // itself. The running max is exact, so the largest weight of every row is 2^0, exactly 1 once
-// rounded (exp2_fast16(0) is 1 + 2.6e-6); and the normaliser l sums the same rounded P that P V uses, so the output is
-// a convex combination of V rows whose weights are each off by at most 2^-8 relative. On SmolLM2's
-// real queries and caches (benchmarks/bf16_fidelity.py attention) the output is 2-3.7x closer to
-// float64 than with a lazily moved max and an unrounded l (relative RMS 0.14-0.53e-3 against
-// 0.26-1.2e-3, where rounding the output to bf16 costs 1.7e-3). Cost, 2026-12-04, Intel Xeon: the
-// attention of a 512-token chunk over 5,000 cached ones +0.5 % on vdpbf16ps, +7 % on AMX (where the
-// vector softmax is the bottleneck; the sum of P is a tile product there, see tile_pairs_amx);
-// decode steps within noise. Invariance: a pair's arithmetic depends only on its own query, its context and the tile
-// grid, never on which rows share the item, how many items there are, or the chunking: tiles sit
-// at fixed positions, each pair's lanes are independent accumulator chains, and a row processes
-// exactly the tiles 0..pos / kKvTile. Positions past the item's longest context read a zero row;
-// positions past a row's own position are masked to probability 0 (exactly 0 * V).
+// rounded (exp2_fast16(0) is 1 + 2.6e-6); and the normaliser l sums the same rounded P that P V
+// uses, so the output is a convex combination of V rows whose weights are each off by at most 2^-8
+// relative. On SmolLM2's real queries and caches (benchmarks/bf16_fidelity.py attention) the output
+// is 2-3.7x closer to float64 than with a lazily moved max and an unrounded l (relative RMS
+// 0.14-0.53e-3 against 0.26-1.2e-3, where rounding the output to bf16 costs 1.7e-3). Cost,
+// 2026-12-04, Intel Xeon: the attention of a 512-token chunk over 5,000 cached ones +0.5 % on
+// vdpbf16ps, +7 % on AMX (where the vector softmax is the bottleneck; the sum of P is a tile
+// product there, see tile_pairs_amx); decode steps within noise. Invariance: a pair's arithmetic
+// depends only on its own query, its context and the tile grid, never on which rows share the item,
+// how many items there are, or the chunking: tiles sit at fixed positions, each pair's lanes are
+// independent accumulator chains, and a row processes exactly the tiles 0..pos / kKvTile. Positions
+// past the item's longest context read a zero row; positions past a row's own position are masked
+// to probability 0 (exactly 0 * V).
 
 constexpr int kKvTile = 64;    // cached positions per KV tile
 
@@ -560,8 +561,8 @@ struct PairState {
   int32_t pos;  // the row's position: tile positions after it are masked
 };
 
-// 2^x lane-wise for finite x (denormal or 0 below -126; x <= 0 where the softmax calls it): x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS,
-// 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
+// 2^x lane-wise for finite x (denormal or 0 below -126; x <= 0 where the softmax calls it):
+// x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS, 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
 // rounding of P, 2^-9), times 2^n by VSCALEFPS (which takes floor(x) itself). Seven instructions
 // with the caller's fmsub (Cephes-style range reduction, as in exp16, without its clamp and round).
 inline __m512 exp2_fast16(__m512 x) {
@@ -580,9 +581,10 @@ inline __m512 exp2_fast16(__m512 x) {
 // probability 2^(s * vlog2 - m) is at most 1, and the maximum's rounds to exactly 1. Updates m and the
 // lane-wise sum l, writes the tile's probabilities as bf16 pairs to pb (kKvTile / 2 words), and adds
 // those rounded probabilities (not the float32 ones) to l, so that the normaliser and P V see the
-// same weights (kTileSum: l is only rescaled here; the caller's tile product adds the sum). Returns whether the pair's output must be scaled by alpha = 2^(m_old - m_new) before
-// this tile's P V is added (not on the pair's first tile, where o and l are still 0, nor when m
-// stays: same bits as no scaling). Which branches run depends only on the pair's own position,
+// same weights (kTileSum: l is only rescaled here; the caller's tile product adds the sum). Returns
+// whether the pair's output must be scaled by alpha = 2^(m_old - m_new) before this tile's P V is
+// added (not on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no
+// scaling). Which branches run depends only on the pair's own position,
 // scores and the tile, never on the other rows.
 template <int ND, bool kTileSum = false>
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
