@@ -167,3 +167,44 @@ def test_bad_input_is_400_in_anthropic_shape(client, server):
     assert r.status_code == 200, r.text
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8, messages=HELLO)
+
+
+def test_assistant_prefill_is_continued(client, server):
+    # A final assistant message is continued, as the chat endpoint's continue_final_message does
+    messages = HELLO + [{"role": "assistant", "content": "Hello there, my"}]
+    m = client.messages.create(model=MODEL, max_tokens=12, extra_body=T0, messages=messages)
+    chat = httpx.post(server.base + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0,
+        "continue_final_message": True, "add_generation_prompt": False}).json()
+    assert m.content and m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert m.usage.output_tokens == chat["usage"]["completion_tokens"]
+
+
+def test_bad_sampling_values_name_the_field(server):
+    for field, value in (("temperature", -1.0), ("top_p", 2.0), ("top_k", -5), ("max_tokens", 0),
+                         ("max_tokens", 100000)):
+        _bad(server, {"model": MODEL, "max_tokens": 8, "messages": HELLO, field: value}, field)
+    _bad(server, {"model": MODEL, "max_tokens": 8, "messages": HELLO, "stop_sequences": [""]}, "stop")
+    _bad(server, {"model": MODEL, "max_tokens": 8, "messages": HELLO, "system": [{"type": "image"}]}, "system[0]")
+    _bad(server, {"model": MODEL, "max_tokens": 8, "messages": []}, "messages")
+    _bad(server, {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]}, "messages[0].content[0]")
+
+
+def test_api_key_as_x_api_key_or_bearer(tmp_path):
+    # --api-key: the SDK's x-api-key header is accepted as well as Authorization: Bearer; a wrong key is a 401
+    # in Anthropic's shape (authentication_error)
+    srv = Server(tmp_path / "server.log", ["--max-model-len", "256", "--kv-cache-memory", "32MiB",
+                                           "--api-key", "sekrit"])
+    try:
+        srv.wait_healthy()
+        ok = anthropic.Anthropic(base_url=srv.base, api_key="sekrit", max_retries=0, timeout=60)
+        assert ok.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
+        bearer = anthropic.Anthropic(base_url=srv.base, auth_token="sekrit", max_retries=0, timeout=60)
+        assert bearer.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
+        bad = anthropic.Anthropic(base_url=srv.base, api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            bad.messages.create(model=MODEL, max_tokens=2, messages=HELLO)
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    finally:
+        srv.stop()

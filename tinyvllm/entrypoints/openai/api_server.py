@@ -75,6 +75,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             field = str((err.get("ctx") or {}).get("field", ""))
             return str(err.get("msg")), field.split(".", 1)[0].split("[", 1)[0] or None
         where = ".".join(loc)
+        if not where and err.get("type") == "missing":  # no body at all
+            parts.append("the request body is required (a JSON object)")
+            continue
         if param is None and loc:
             param = loc[0]
         msg = str(err.get("msg"))

@@ -9,7 +9,8 @@ Mapping: ``system`` -> a system message; ``text`` blocks -> message text; ``tool
 ``tool_calls`` (id, function name, arguments as a JSON string); ``tool_result`` blocks (user) -> ``tool``
 messages with ``tool_call_id`` = ``tool_use_id``; ``tools[].input_schema`` -> function ``parameters``;
 ``tool_choice`` ``auto``/``any``/``tool``/``none`` -> ``auto``/``required``/named/``none``
-(``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``); ``stop_sequences`` -> ``stop``.
+(``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``); ``stop_sequences`` -> ``stop``; a final
+assistant message (a prefill) -> ``continue_final_message``.
 """
 
 from __future__ import annotations
@@ -194,7 +195,12 @@ class _MessagesFields(OpenAIBaseModel):
     def _chat_body(self) -> dict:
         self._check_refused()
         tools, choice, parallel = self._chat_tools()
-        body: dict[str, Any] = {"model": self.model, "messages": self._chat_messages()}
+        messages = self._chat_messages()
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+            # a final assistant message is a prefill: the answer continues it (as Anthropic does)
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
         if tools is not None:
             body["tools"] = tools
         if choice is not None:

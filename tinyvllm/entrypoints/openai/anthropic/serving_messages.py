@@ -39,6 +39,13 @@ def _exception_error(e: BaseException) -> JSONResponse:
     return anthropic_error(str(e) or type(e).__name__, status_of(e))
 
 
+def _validation_text(e: ValidationError) -> str:
+    """A 400 message for the translated chat request failing validation (naming the chat field)."""
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ()))
+    return f"invalid request: {where + ': ' if where else ''}{err.get('msg')}"
+
+
 def _event(name: str, obj: dict) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + json_encoder.encode(obj) + b"\n\n"
 
@@ -76,7 +83,7 @@ class AnthropicServingMessages:
             chat_req = req.to_chat_request()
             _, ids, _ = await self.chat.chat_prompt(chat_req)
         except ValidationError as e:
-            return anthropic_error(f"invalid request: {e.errors()[0].get('msg')}", 400)
+            return anthropic_error(_validation_text(e), 400)
         except REQUEST_ERRORS as e:
             return _exception_error(e)
         return JSONResponse({"input_tokens": len(ids)})
@@ -89,7 +96,7 @@ class AnthropicServingMessages:
             chat_req = req.to_chat_request()
             params, ids, streams, request_id, use_tools = await self.chat.prepare_chat(chat_req, arrival, "msg_")
         except ValidationError as e:
-            return anthropic_error(f"invalid request: {e.errors()[0].get('msg')}", 400)
+            return anthropic_error(_validation_text(e), 400)
         except REQUEST_ERRORS as e:
             return _exception_error(e)
         model = req.model or self.chat.model_name
