@@ -182,6 +182,8 @@ class _MessagesFields(OpenAIBaseModel):
             return tools, None, True
         kind = tc.get("type")
         parallel = tc.get("disable_parallel_tool_use") is not True
+        if kind in ("any", "tool") and not self.tools:
+            raise _bad(f"a tool_choice of type {kind!r} needs tools", "tool_choice")
         if kind in ("auto", "none"):
             return tools, kind, parallel
         if kind == "any":
