@@ -4,7 +4,8 @@
 --max-waiting-requests N --log-level L]``.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(JSON or SSE streaming), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+(JSON or SSE streaming), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API,
+errors in Anthropic's shape), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``, ``GET /dashboard`` (live
 engine dashboard, :mod:`tinyvllm.entrypoints.dashboard`).
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
@@ -39,6 +40,9 @@ import tinyvllm
 from tinyvllm import envs
 from tinyvllm.engine.async_llm import AsyncLLM, EngineStartCancelled, EngineStartError
 from tinyvllm.entrypoints.dashboard import add_dashboard_routes
+from tinyvllm.entrypoints.openai.anthropic.protocol import CountTokensRequest, MessagesRequest
+from tinyvllm.entrypoints.openai.anthropic.serving_messages import (MESSAGES_PATHS, AnthropicServingMessages,
+                                                                    anthropic_error)
 from tinyvllm.entrypoints.openai.middleware import APIKeyMiddleware, GuardMiddleware
 from tinyvllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   TokenizeRequest, json_type)
@@ -71,6 +75,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             field = str((err.get("ctx") or {}).get("field", ""))
             return str(err.get("msg")), field.split(".", 1)[0].split("[", 1)[0] or None
         where = ".".join(loc)
+        if not where and err.get("type") == "missing":  # no body at all
+            parts.append("the request body is required (a JSON object)")
+            continue
         if param is None and loc:
             param = loc[0]
         msg = str(err.get("msg"))
@@ -112,16 +119,23 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
     completion = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
+    messages_api = AnthropicServingMessages(chat)
     app.state.engine = engine
     add_dashboard_routes(app, engine)  # GET /dashboard, /dashboard/events
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
+        if request.url.path in MESSAGES_PATHS:  # Anthropic's error shape
+            return anthropic_error(message, 400)
         return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if request.url.path in MESSAGES_PATHS:
+            resp = anthropic_error(str(exc.detail), exc.status_code)
+            resp.headers.update(getattr(exc, "headers", None) or {})
+            return resp
         return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -150,6 +164,15 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create_chat_completion(req, raw)
+
+    @app.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request) -> Response:
+        """Anthropic's Messages API (translated onto the chat path)."""
+        return await messages_api.create_message(req, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> Response:
+        return await messages_api.count_tokens(req)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:

@@ -7,7 +7,7 @@ Pure ASGI (no ``BaseHTTPMiddleware``), so streaming responses pass through untou
   counted as it arrives), and turns any exception a handler lets escape into one log line naming the request
   id and an OpenAI-style ``500`` body. Nothing is re-raised, so the server logs no second traceback and keeps
   the connection alive (Starlette's own ``Exception`` handler re-raises after answering).
-* :class:`APIKeyMiddleware` requires ``Authorization: Bearer <key>`` on every path except the open ones
+* :class:`APIKeyMiddleware` requires ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) on every path except the open ones
   (``/health``, ``/metrics``, ``/version`` by default), compared in constant time (:func:`hmac.compare_digest`),
   and answers ``401`` with an OpenAI-style body otherwise, as vLLM's ``--api-key``.
 
@@ -172,9 +172,12 @@ class APIKeyMiddleware:
 
     def _authorized(self, scope: Scope) -> bool:
         got = _header(scope, b"authorization") or b""
+        # Anthropic's clients send the key as ``x-api-key: <key>``: accepted as well
+        api_key = b"Bearer " + (_header(scope, b"x-api-key") or b"")
         ok = False
         for k in self.keys:  # compare against every key: the time does not tell which one matched
             ok |= hmac.compare_digest(got, k)
+            ok |= hmac.compare_digest(api_key, k)
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -182,5 +185,12 @@ class APIKeyMiddleware:
                 or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        await send_error(send, "invalid or missing API key (send the header Authorization: Bearer <key>)", 401,
-                         [(b"www-authenticate", b"Bearer")])
+        message = "invalid or missing API key (send the header Authorization: Bearer <key> or x-api-key: <key>)"
+        if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's error shape
+            body = _encoder.encode({"type": "error", "error": {"type": "authentication_error", "message": message}})
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await send_error(send, message, 401, [(b"www-authenticate", b"Bearer")])

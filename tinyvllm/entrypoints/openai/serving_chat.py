@@ -50,17 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         renames = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         try:
-            tools = check_tools(req.tools) if req.tools is not None else None
-            choice = check_tool_choice(req.tool_choice, tools)
-            use_tools = choice not in (None, "none")  # tools shown to the model, calls parsed
-            tag = tool_structural_tag(tools, choice, req.parallel_tool_calls is not False) if use_tools else None
-            params = req.to_sampling_params(tag)
-            await self.check_structured_outputs(params, req.structured_outputs_and_param(tag)[1])
-            ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
-                                     req.continue_final_message, tools if use_tools else None)
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            streams = self._submit(request_id, [(None, ids)], params, arrival,
-                                   prefix_cache_debug=req.prefix_cache_debug, user=req.user)
+            params, ids, streams, request_id, use_tools = await self.prepare_chat(req, arrival)
         except REQUEST_ERRORS as e:
             return exception_response(e, renames)
         model = self._response_model(req.model)
@@ -73,6 +63,29 @@ class OpenAIServingChat(OpenAIServing):
             raw, self._chat_full(params, ids, streams[0], request_id, model, created, top_n,
                                  UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id), use_tools),
             streams[0].abort)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int], bool]:
+        """The request checked and rendered: its sampling params, prompt token ids and whether tools are
+        in use (shown to the model, calls parsed). Raises one of ``REQUEST_ERRORS`` for a bad request."""
+        tools = check_tools(req.tools) if req.tools is not None else None
+        choice = check_tool_choice(req.tool_choice, tools)
+        use_tools = choice not in (None, "none")  # tools shown to the model, calls parsed
+        tag = tool_structural_tag(tools, choice, req.parallel_tool_calls is not False) if use_tools else None
+        params = req.to_sampling_params(tag)
+        await self.check_structured_outputs(params, req.structured_outputs_and_param(tag)[1])
+        ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
+                                 req.continue_final_message, tools if use_tools else None)
+        return params, ids, use_tools
+
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl-"
+                           ) -> tuple[SamplingParams, list[int], list[RequestStream], str, bool]:
+        """:meth:`chat_prompt`, then the request submitted to the engine: ``(params, prompt ids, streams,
+        request id, use_tools)``. Shared by ``/v1/chat/completions`` and the Anthropic ``/v1/messages``."""
+        params, ids, use_tools = await self.chat_prompt(req)
+        request_id = f"{id_prefix}{uuid.uuid4().hex}"
+        streams = self._submit(request_id, [(None, ids)], params, arrival,
+                               prefix_cache_debug=req.prefix_cache_debug, user=req.user)
+        return params, ids, streams, request_id, use_tools
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,
                          model: str, created: int, top_n: int | None, tracker: UsageTracker,
