@@ -128,3 +128,25 @@ class Server:
                 self.proc.wait(5)
         if self.core_pid and pid_alive(self.core_pid):
             os.kill(self.core_pid, signal.SIGKILL)
+
+
+# A small server with the Hermes tool-call parser (structured outputs, tools, the Messages API tests).
+TOOL_SERVER_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
+                    "--tool-call-parser", "hermes"]
+
+
+def running_server(log: Path, args: list[str]):
+    """Generator for a module fixture: a started, healthy ``Server`` (a start failure fails the test with
+    its reason), stopped afterwards. Use as ``yield from running_server(...)``."""
+    import pytest
+
+    srv = Server(log, args)
+    try:
+        srv.wait_healthy()
+    except RuntimeError as e:
+        srv.stop()
+        pytest.fail(str(e))
+    try:
+        yield srv
+    finally:
+        srv.stop()

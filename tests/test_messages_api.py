@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_utils import Server
+from server_utils import Server, TOOL_SERVER_ARGS, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
@@ -29,16 +29,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
-                 ["--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
-                  "--tool-call-parser", "hermes"])
-    try:
-        srv.wait_healthy()
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    yield srv
-    srv.stop()
+    yield from running_server(tmp_path_factory.mktemp("server") / "server.log", TOOL_SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")

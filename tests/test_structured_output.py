@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from server_utils import Server
+from server_utils import TOOL_SERVER_ARGS, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -40,16 +40,7 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
-                 ["--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
-                  "--tool-call-parser", "hermes"])
-    try:
-        srv.wait_healthy()
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    yield srv
-    srv.stop()
+    yield from running_server(tmp_path_factory.mktemp("server") / "server.log", TOOL_SERVER_ARGS)
 
 
 @pytest.fixture(scope="module")
