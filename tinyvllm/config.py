@@ -24,6 +24,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATION_MODES = ("auto", "gguf", "none")
 SCHEDULING_POLICIES = ("continuous", "static")
+# --kv-cache-dtype (vLLM's flag and names; int8 is tinyvllm's; fp8 = fp8_e4m3): tinyvllm.attention.kv_quant
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 _DTYPES = {  # name -> attribute of torch
     "float32": "float32",
@@ -200,6 +202,9 @@ class CacheConfig:
             evicts; 0 (the default) turns it off. Needs prefix caching.
         kv_offload_path: a directory: the tier is a file there (``kv_offload.bin``, of
             ``kv_offload_size`` bytes) instead of host RAM, and survives restarts.
+        kv_cache_dtype: ``auto`` (the model dtype), ``bfloat16``, ``int8`` or ``fp8`` (= ``fp8_e4m3``):
+            the KV cache's element type, vLLM's flag (docs/kv-cache-dtype.md). ``int8``/``fp8`` store one
+            byte per value plus a bfloat16 scale per (token, KV head): ~1.94x the tokens per GiB.
     """
 
     block_size: int = 16
@@ -208,8 +213,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_offload_size: int | str = 0
     kv_offload_path: str | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if str(self.kv_cache_dtype).lower() not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
@@ -350,6 +358,10 @@ class EngineArgs:
     kv_offload_path: str | None = _option(CacheConfig.kv_offload_path,
                                           "directory of a disk KV offload tier of --kv-offload-size bytes "
                                           "that survives restarts")
+    kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype,
+                                  "KV cache element type: auto (the model dtype), bfloat16, int8 or fp8 (= fp8_e4m3); "
+                                  "int8/fp8 hold ~1.94x the tokens (docs/kv-cache-dtype.md)",
+                                  choices=KV_CACHE_DTYPES)
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "continuous: rebuild the batch every step; static: admit a new batch only "
                                      "when one finishes", choices=SCHEDULING_POLICIES)
