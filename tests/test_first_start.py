@@ -150,3 +150,29 @@ def test_first_start_on_an_empty_cache_announces_each_long_step(tmp_path):
         m = re.compile(step).search(out, at)
         assert m is not None, f"{step!r} missing after offset {at}:\n{out[-4000:]}"
         at = m.end()
+
+
+def test_kernel_build_is_announced_before_it_starts_and_timed(tmp_path, monkeypatch, caplog):
+    """The build announcement comes before the compiler runs and the timed line after it (the compiler is replaced
+    by a recorder here; the real build's lines are checked by the slow test above)."""
+    import logging
+
+    import torch.utils.cpp_extension
+
+    from tinyvllm.kernels import cpu as cpu_mod
+
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_mod, "_KERNEL", None)
+    monkeypatch.setattr(cpu_mod, "_KERNEL_TRIED", False)
+    seen: list[str] = []
+
+    def load(**kw):
+        seen.extend(r.getMessage() for r in caplog.records)  # what was logged when the compiler started
+        return object()
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    with caplog.at_level(logging.INFO, logger="tinyvllm"):
+        assert cpu_mod.cpu_kernels() is not None
+    assert any(m.startswith("building CPU kernels (first run, ~60-180 s) in ") and str(tmp_path) in m for m in seen)
+    assert not any(m.startswith("built CPU kernels") for m in seen)
+    assert re.search(r"built CPU kernels in \d+\.\ds", caplog.text), caplog.text
