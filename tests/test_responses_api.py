@@ -364,8 +364,8 @@ def _fill(store: ResponseStore, n: int, size: int, start: int = 0) -> None:
         store.put(f"resp_{i}", "", payload)
 
 
-@pytest.mark.parametrize("n", [pytest.param(10_000, marks=pytest.mark.slow), 1_500])
-def test_store_bounds_hold_and_memory_is_flat(tmp_path, n):
+def test_store_bounds_hold_and_memory_is_flat(tmp_path):
+    n = 10_000  # 0.1-0.4 ms per stored response (SQLite file, WAL)
     store = ResponseStore(tmp_path / "s.sqlite", max_count=500, max_bytes=2_000_000, ttl_s=3600)
     _fill(store, 200, 4000)
     rss0 = _rss()
