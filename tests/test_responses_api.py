@@ -408,17 +408,25 @@ def test_store_lru_ttl_and_owner(tmp_path):
 @pytest.mark.slow
 def test_chain_resumed_after_restart_is_served_from_the_disk_tier(tmp_path):
     """A stored conversation survives a restart (the SQLite store) and its continuation's prompt is served by the
-    disk KV offload tier (--kv-offload-path): turn 1, stop, start a new server on the same files, turn 2."""
+    disk KV offload tier (--kv-offload-path): turn 1, SIGKILL, start a new server on the same files, turn 2. A
+    background response the kill interrupted reads as failed."""
     args = ["--max-model-len", "1024", "--kv-cache-memory", "64MiB", "--kv-offload-size", "64MiB",
             "--kv-offload-path", str(tmp_path / "tier"), "--responses-store-path", str(tmp_path / "store.sqlite")]
     system = "You are a helpful assistant for a town guide. Answer politely and briefly. " * 12
-    turns = []
+    turns, background = [], None
     for i, q in enumerate(["Hello! Who are you?", "Name a fruit."]):
         srv = Server(tmp_path / f"server{i}.log", args).wait_healthy()
         try:
             c = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0, timeout=120)
             turns.append(c.responses.create(model=MODEL, instructions=system, input=q, max_output_tokens=8,
                                             previous_response_id=turns[-1].id if turns else None, **T0))
+            if background is None:  # still running when the server stops
+                background = c.responses.create(model=MODEL, input="Count to 1000.", max_output_tokens=500,
+                                                background=True, extra_body={"ignore_eos": True})
+                srv.proc.kill()  # SIGKILL: nothing is finished or flushed by a shutdown
+                srv.proc.wait(30)
+            else:  # after the restart it is failed, never in progress forever
+                assert c.responses.retrieve(background.id).status == "failed"
         finally:
             srv.stop()
     first, second = turns

@@ -215,7 +215,12 @@ class OpenAIServingResponses:
         rec = await self._load(response_id, owner)
         if rec is None:
             return _not_found(response_id)
-        return Response(json_encoder.encode(rec["response"]), media_type="application/json")
+        response = rec["response"]
+        if response.get("status") == "in_progress" and response_id not in self._runs:
+            # stored in progress (background) by a server that stopped before it finished
+            response = {**response, "status": "failed", "error": {
+                "code": "server_error", "message": "the server stopped before this background response finished"}}
+        return Response(json_encoder.encode(response), media_type="application/json")
 
     async def delete(self, response_id: str, raw: Request) -> Response:
         owner = self.owner(raw)
