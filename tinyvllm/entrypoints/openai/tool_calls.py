@@ -30,8 +30,8 @@ from importlib import resources
 from typing import Any
 
 from tinyvllm.engine.input_processor import InvalidRequestError
-from tinyvllm.entrypoints.openai.tool_parsers import (TOOL_PARSERS, HermesToolParser, ParsedToolCall,
-                                                      StreamingToolCallParser, ToolParser)
+from tinyvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedToolCall, ToolParser
+from tinyvllm.entrypoints.openai.tool_parsers import StreamingToolCallParser as _Driver
 from tinyvllm.structured_output.tools import tool_structural_tag
 
 __all__ = ["HermesToolParser", "ParsedToolCall", "StreamingToolCallParser", "builtin_tool_template",
@@ -101,6 +101,14 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
         return {"name": name}  # type: ignore[return-value]
     raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+
+
+class StreamingToolCallParser(_Driver):
+    """The incremental tool-call parser of a stream (:class:`tool_parsers.StreamingToolCallParser`), over
+    ``parser`` or, by default, the Hermes format."""
+
+    def __init__(self, parser: ToolParser | None = None) -> None:
+        super().__init__(parser if parser is not None else HermesToolParser())
 
 
 def make_call_id() -> str:

@@ -172,14 +172,10 @@ class ToolParser:
 
 
 class StreamingToolCallParser:
-    """The incremental driver over a :class:`ToolParser` (Hermes when none is given): feed it each
-    delta of the output text; it returns the content to send now and the tool-call deltas."""
+    """The incremental driver over a :class:`ToolParser`: feed it each delta of the output text; it
+    returns the content to send now and the tool-call deltas."""
 
-    def __init__(self, parser: ToolParser | None = None) -> None:
-        if parser is None:
-            from tinyvllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-
-            parser = HermesToolParser()
+    def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
         self.text = ""
         self.pos = 0  # text before pos is decided (sent, or dropped)
