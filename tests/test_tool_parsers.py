@@ -163,6 +163,40 @@ def test_cut_markup_never_reaches_content(tok, fmt):
     assert len(get_tool_parser(fmt).extract(full)[1]) == 2
 
 
+# Pieces of each format's syntax, text and broken markers, joined at random into outputs.
+FRAGMENTS = {
+    "hermes": ["<tool_call>", "</tool_call>", '\n{"name": "f", "arguments": {"a": 1}}\n', "<tool", "hi ", "\n", "{",
+               "}", '"x"', "<"],
+    "mistral": ["[TOOL_CALLS]", "[", "]", '{"name": "f", "arguments": {"a": 1}}', ", ", "f", "[ARGS]", '{"a": 2}',
+                "hi ", "[TOOL"],
+    "pythonic": ["[", "]", "f(", ")", "a=1", ", ", '"s)"', "hi ", "g", "(", "x"],
+    "llama3_json": ["<|python_tag|>", '{"name": "f", "parameters": {"a": 1}}', "; ", "{", "}", '"name"', ":", "hi ",
+                    "<|py", " "],
+}
+
+
+@pytest.mark.parametrize("fmt", list(FRAGMENTS))
+def test_streamed_equals_whole_on_random_outputs(fmt):
+    # Whatever the text and however it is split into deltas, the stream sends the same calls as the whole
+    # output holds, and the same content (up to the whitespace at its ends when there are calls).
+    import random
+
+    from tinyvllm.entrypoints.openai.tool_parsers import StreamingToolCallParser, get_tool_parser
+
+    rng = random.Random(43)
+    for _ in range(1500):
+        text = "".join(rng.choice(FRAGMENTS[fmt]) for _ in range(rng.randint(0, 8)))
+        content, calls = get_tool_parser(fmt).extract(text)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 5)))) if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])] or [""]
+        s, out, n = StreamingToolCallParser(get_tool_parser(fmt)), "", 0
+        for k, piece in enumerate(pieces):
+            c, ch = s.feed(piece, final=k == len(pieces) - 1)
+            out, n = out + c, n + len(ch)
+        assert n == 2 * len(calls), (text, pieces)
+        assert (out.strip() if calls else out) == (content or ""), (text, pieces, out, content)
+
+
 @pytest.mark.parametrize("fmt", list(MODEL_TEXT))
 def test_grammar_accepts_the_format_and_enforces_the_schema(fmt):
     # The constrained path (tool_choice required / named / auto) writes the parser's own format: the

@@ -180,7 +180,9 @@ class StreamingToolCallParser:
         self.text = ""
         self.pos = 0  # text before pos is decided (sent, or dropped)
         self.cont = False  # inside a region, after a call
-        self.after_call = False  # skip separators, then at a boundary
+        self.after_call = False  # skip separators next
+        self.boundary = True  # nothing but whitespace and calls so far, or just after a call
+        self.pending_ws = ""  # trailing whitespace of the content, held until more text follows it
         self.calls: list[ParsedToolCall] = []
         self.done = False
 
@@ -204,16 +206,18 @@ class StreamingToolCallParser:
             if self.cont:
                 step = p.parse_region(text, self.pos, final, True)
             else:
-                start, hold = p.find_start(text, self.pos, self.after_call or self.pos == 0)
+                start, hold = p.find_start(text, self.pos, self.boundary)
                 if start is None:
                     end = len(text) if hold is None else hold
                     if end > self.pos:
                         self.after_call = False
+                        self.boundary = self.boundary and not text[self.pos:end].strip()
                     content += text[self.pos:end]
                     self.pos = end if not final else len(text)  # a partial marker at the end: dropped
                     break
                 if start > self.pos:
                     self.after_call = False
+                    self.boundary = self.boundary and not text[self.pos:start].strip()
                 content += text[self.pos:start]
                 self.pos = start
                 step = p.parse_region(text, start, final, False)
@@ -224,6 +228,7 @@ class StreamingToolCallParser:
             if step.content:
                 content += text[self.pos:step.end]
                 self.after_call = False
+                self.boundary = self.boundary and not text[self.pos:step.end].strip()
             for call in step.calls:
                 idx = len(self.calls)
                 self.calls.append(call)
@@ -231,10 +236,11 @@ class StreamingToolCallParser:
                                 "function": {"name": call.name, "arguments": ""}}])
                 chunks.append([{"index": idx, "function": {"arguments": call.arguments}}])
             if step.calls:
-                self.after_call = True
+                self.after_call = self.boundary = True
             self.cont = step.more
             if step.end <= self.pos and not step.calls:  # no progress: send one character as content
                 content += text[self.pos:self.pos + 1]
+                self.boundary = self.boundary and not text[self.pos:self.pos + 1].strip()
                 step.end = self.pos + 1
                 self.cont = False
             self.pos = step.end
@@ -242,8 +248,13 @@ class StreamingToolCallParser:
                 break
         if final:
             self.done = True
-        if self.calls and not content.strip():
-            content = ""  # whitespace between or around calls is not content
+        # Whitespace at the end of the content so far is held: sent once text follows it, dropped if the
+        # output ends after calls (the newlines between and after calls are not content).
+        full = self.pending_ws + content
+        content = full.rstrip()
+        self.pending_ws = full[len(content):]
+        if final and not self.calls:
+            content, self.pending_ws = full, ""
         return content, chunks
 
 
