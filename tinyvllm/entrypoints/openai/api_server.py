@@ -94,7 +94,8 @@ DEFAULT_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, chat_template: str | None = None,
-              tool_call_parser: str | None = None, *, max_request_body_bytes: int | None = None,
+              tool_call_parser: str | None = None, *, reasoning_parser: str | None = None,
+              max_request_body_bytes: int | None = None,
               api_keys: list[str] | None = None, open_paths: list[str] | tuple[str, ...] = DEFAULT_OPEN_PATHS,
               allowed_origins: list[str] | None = None, responses_store: StoreConfig | None = None) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLM`.
@@ -103,7 +104,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
         engine: the started engine.
         served_model_names: names the model answers to (default: the engine's).
         chat_template: Jinja text that replaces the model's chat template.
-        tool_call_parser: the model's tool-call format (``hermes``).
+        tool_call_parser: the model's tool-call format (``hermes``, ``mistral``, ``pythonic``,
+            ``llama3_json``, or ``auto``: from the chat template).
+        reasoning_parser: ``qwen3`` (or ``deepseek_r1``): the thinking comes back as ``reasoning_content``.
         max_request_body_bytes: larger request bodies get 413 (None: no cap).
         api_keys: when given, every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (401).
         open_paths: paths served without a key.
@@ -121,7 +124,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
                            allow_headers=["*"], allow_credentials=False)
     serving_models = OpenAIServingModels(engine, served_model_names)
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser, reasoning_parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     messages_api = AnthropicServingMessages(chat)
     responses_api = OpenAIServingResponses(chat, responses_store, auth_enabled=bool(api_keys))
@@ -283,6 +286,7 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         template_path = getattr(args, "chat_template", None)
         template = Path(template_path).read_text() if template_path else None
         app = build_app(engine, served, template, getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
                         max_request_body_bytes=args.max_request_body_bytes or None,
                         api_keys=api_keys, open_paths=args.open_paths,
                         allowed_origins=args.allowed_origins, responses_store=store)

@@ -34,8 +34,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="PATH",
                    help="Jinja chat template replacing the model's (default: the model's; for requests with "
                         "tools, tinyvllm's Hermes-style template when the model's ignores tools)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
-                   help="format of the model's tool calls: <tool_call>{\"name\", \"arguments\"}</tool_call>")
+    g.add_argument("--tool-call-parser", default="hermes",
+                   choices=["hermes", "mistral", "pythonic", "llama3_json", "auto"],
+                   help="format of the model's tool calls (vLLM's names): hermes <tool_call>{...}</tool_call> "
+                        "(Qwen2.5, Qwen3; the default), mistral [TOOL_CALLS][...], pythonic [f(a=1)], "
+                        "llama3_json {\"name\", \"parameters\"}; auto: chosen from the chat template "
+                        "(docs/tools-and-reasoning.md)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; tool_choice 'auto' is always available here")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return the model's <think>...</think> as reasoning_content (vLLM's names); "
+                        "default: none (the thinking stays in the content)")
     g.add_argument("--responses-store-path", default=None, metavar="PATH",
                    help="SQLite file of the /v1/responses store (stored responses survive a restart); ':memory:' "
                         "keeps them in the server process only (default: $TINYVLLM_CACHE/responses.sqlite)")
