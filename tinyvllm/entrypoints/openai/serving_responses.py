@@ -1,6 +1,6 @@
 """``/v1/responses``: OpenAI's Responses API as a translation layer onto the chat path
 (:class:`OpenAIServingChat`: the same chat template, sampling params, grammar-constrained tool calls,
-structured output and Hermes tool-call parser), with stored, continuable conversations.
+structured output, tool-call parser and reasoning parser), with stored, continuable conversations.
 
 Endpoints: ``POST /v1/responses`` (JSON, SSE streaming with ``sequence_number``ed events, or ``background``),
 ``GET`` / ``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` (a background or streaming
@@ -48,7 +48,6 @@ from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, cached_of, error_body, error_response,
                                                         exception_response, json_encoder, run_blocking, status_of)
 from tinyvllm.entrypoints.openai.serving_usage import UsageTracker
-from tinyvllm.entrypoints.openai.tool_calls import StreamingToolCallParser
 
 logger = logging.getLogger("tinyvllm.responses")
 
@@ -90,16 +89,40 @@ class _Run:
 
 
 class _Output:
-    """Builds the output items from the model's text as it streams (and the SSE events for them): a
-    ``message`` with one ``output_text`` part, then one ``function_call`` item per parsed tool call."""
+    """Builds the output items from the model's text as it streams (and the SSE events for them), split by the
+    chat path's output parser (:meth:`OpenAIServing.output_parser`): a ``reasoning`` item (when the server has a
+    reasoning parser and the model thought), a ``message`` with one ``output_text`` part, then one
+    ``function_call`` item per parsed tool call."""
 
-    def __init__(self, response_id: str, use_tools: bool, emit: Callable[[str, dict], None]) -> None:
+    def __init__(self, response_id: str, parser: Any, emit: Callable[[str, dict], None]) -> None:
         self.rid = response_id
-        self.parser = StreamingToolCallParser() if use_tools else None
+        self.parser = parser  # ChatOutputParser | None
         self.emit = emit
         self.items: list[dict] = []
         self.msg: dict | None = None  # the open message item
+        self.rs: dict | None = None  # the open reasoning item
         self.calls: list[dict] = []  # chat tool_calls, for the stored conversation
+
+    def _reasoning(self, text: str) -> None:
+        if self.rs is None:
+            self.rs = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": ""}]}
+            self.items.append(self.rs)
+            self.emit("response.output_item.added", {"output_index": len(self.items) - 1,
+                                                     "item": dict(self.rs, content=[])})
+        self.rs["content"][0]["text"] += text
+        self.emit("response.reasoning_text.delta", {"item_id": self.rs["id"], "output_index": self.items.index(self.rs),
+                                                    "content_index": 0, "delta": text})
+
+    def _close_reasoning(self, status: str) -> None:
+        if self.rs is None:
+            return
+        idx = self.items.index(self.rs)
+        self.emit("response.reasoning_text.done", {"item_id": self.rs["id"], "output_index": idx, "content_index": 0,
+                                                   "text": self.rs["content"][0]["text"]})
+        self.rs["status"] = status
+        self.emit("response.output_item.done", {"output_index": idx, "item": self.rs})
+        self.rs = None
 
     def _open_message(self) -> None:
         self.msg = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
@@ -126,7 +149,11 @@ class _Output:
         self.msg = None
 
     def feed(self, delta: str, final: bool) -> None:
-        text, chunks = self.parser.feed(delta, final) if self.parser is not None else (delta, [])
+        reasoning, text, chunks = self.parser.feed(delta, final) if self.parser is not None else ("", delta, [])
+        if reasoning:
+            self._reasoning(reasoning)
+        if text or chunks:
+            self._close_reasoning("completed")
         if text:
             if self.msg is None:
                 self._open_message()
@@ -154,8 +181,10 @@ class _Output:
                                        "function": {"name": item["name"], "arguments": args}})
 
     def finish(self, status: str) -> None:
-        """Close the open message (``status``: its status); an output with no item gets an empty message."""
-        if not self.items:
+        """Close the open items (``status``: their status); an output with no message or call gets an empty
+        message."""
+        self._close_reasoning(status)
+        if not any(i["type"] != "reasoning" for i in self.items):
             self._open_message()
         self._close_message(status)
 
@@ -372,7 +401,7 @@ class OpenAIServingResponses:
                                   json_encoder.encode({"type": kind, "sequence_number": seq, **body}) + b"\n\n")
                 seq += 1
 
-        out = _Output(rid, use_tools, emit)
+        out = _Output(rid, self.chat.output_parser(record["prompt_ids"], use_tools), emit)
         emit("response.created", {"response": run.response})
         emit("response.in_progress", {"response": run.response})
         prompt_tokens = len(record["prompt_ids"])
