@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sqlite3
 import time
 
@@ -43,8 +44,10 @@ def store_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, store_path):
+    # --reasoning-parser qwen3: SmolLM2 never writes <think> by itself (no effect on the other tests); the reasoning
+    # test forces a thought with a regex
     args = [*TOOL_SERVER_ARGS, "--api-key", KEY_A, KEY_B, "--responses-store-path", str(store_path),
-            "--responses-store-max-count", str(MAX_STORED)]
+            "--responses-store-max-count", str(MAX_STORED), "--reasoning-parser", "qwen3"]
     for srv in running_server(tmp_path_factory.mktemp("server") / "server.log", args):
         srv.headers = {"Authorization": f"Bearer {KEY_A}"}
         yield srv
@@ -141,6 +144,27 @@ def test_text_format_json_schema(client):
     assert r.status == "completed", r
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+
+
+def test_reasoning_item_whole_and_streamed(client):
+    """With a --reasoning-parser, the model's thought is a reasoning item before the message (the thought is
+    forced by a regex: SmolLM2 does not think by itself), whole and streamed alike."""
+    kw = dict(model=MODEL, input="Is Paris in France?", max_output_tokens=40, extra_body={"structured_outputs": {
+        "regex": r"<think>\n[A-Za-z ]{4,40}\.\n</think>\n\n(Yes|No)[a-z ,.]{0,20}"}}, **T0)
+    r = client.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"], r.output
+    thought = r.output[0].content[0].text
+    assert re.fullmatch(r"\n[A-Za-z ]{4,40}\.\n", thought) and re.fullmatch(r"(Yes|No)[a-z ,.]*", r.output_text)
+    r_parts, t_parts, types = [], [], []
+    with client.responses.stream(**kw) as s:
+        for ev in s:
+            types.append(ev.type)
+            if ev.type == "response.reasoning_text.delta":
+                r_parts.append(ev.delta)
+            elif ev.type == "response.output_text.delta":
+                t_parts.append(ev.delta)
+    assert "".join(r_parts) == thought and "".join(t_parts) == r.output_text
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
 
 
 # ----------------------------------------------------------------------------- state
