@@ -159,7 +159,7 @@ def write_family_gguf(hf_dir: Path, out: Path, *, linear_qtype: str = "F32") -> 
         a = np.ascontiguousarray(a.astype(np.float32))
         if linear and linear_qtype != "F32":
             qt = gguf.GGMLQuantizationType[linear_qtype]
-            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_shape=a.shape, raw_dtype=qt)
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
         else:
             w.add_tensor(name, a)
 
