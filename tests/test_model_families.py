@@ -356,3 +356,38 @@ def test_cli_refuses_an_unknown_architecture_in_one_line(tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and "'mamba'" in lines[0] and "qwen3moe" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- dummy shapes
+
+
+@pytest.mark.parametrize("shape,non_embedding", [("qwen3-0.6b", 0.44e9), ("gemma-3-1b", 0.698e9)])
+def test_dummy_shapes_are_the_published_models(shape, non_embedding):
+    """``--shape``'s configs build (on the meta device: no memory) the family's class with the
+    published non-embedding parameter count (Qwen3-0.6B model card: 0.44B; Gemma 3 report: 698M)."""
+    from tinyvllm.model.dummy import SHAPES
+    from tinyvllm.model.registry import config_from_dict
+
+    cls, cfg = config_from_dict(SHAPES[shape])
+    with torch.device("meta"):
+        model = cls(cfg)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    assert abs(n - non_embedding) / non_embedding < 0.01, n
+
+
+def test_dummy_moe_runs(tmp_path):
+    """``--load-format dummy`` on a shrunk qwen3-moe-small directory: random weights of the family's
+    shapes, greedy generation runs batch invariant (the benchmark's path)."""
+    from tinyvllm import LLM
+    from tinyvllm.model.dummy import main
+
+    d = tmp_path / "moe"
+    assert main([str(d), "--shape", "qwen3-moe-small", "num_hidden_layers=2", "num_experts=4", "vocab_size=512",
+                 "hidden_size=128", "intermediate_size=256", "moe_intermediate_size=64", "num_attention_heads=4",
+                 "num_key_value_heads=2", "head_dim=32", "num_experts_per_tok=2"]) == 0
+    llm = LLM(str(d), dtype="float32", load_format="dummy")
+    assert type(llm.llm_engine.core.model).__name__ == "Qwen3MoeForCausalLM"
+    prompts = [{"prompt_token_ids": p} for p in _prompts(512)]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert [llm.generate(p, sp)[0].outputs[0].token_ids for p in prompts] == batched
