@@ -15,7 +15,9 @@ interpreter backends, bf16 agreement.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -24,11 +26,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinyvllm import SamplingParams
-from tinyvllm.attention.selector import get_attn_backend
-from tinyvllm.model.weights import load_model
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first ``import triton`` (as test_gpu_engine.py)
 
-from tiny_models import FAMILIES, make_tiny_family, write_family_gguf
+from tinyvllm import SamplingParams  # noqa: E402
+from tinyvllm.attention.selector import get_attn_backend  # noqa: E402
+from tinyvllm.model.weights import load_model  # noqa: E402
+
+from tiny_models import FAMILIES, make_tiny_family, write_family_gguf  # noqa: E402
 
 ALL = list(FAMILIES)
 GGUF_FAMILIES = [f for f in ALL if FAMILIES[f]["gguf_arch"]]
@@ -152,9 +157,17 @@ def test_logits_on_the_torch_reference_backend(family_dir, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ALL)
-def test_logits_on_the_triton_backend_under_the_interpreter(family_dir, name, monkeypatch):
+def test_logits_on_the_triton_backend_under_the_interpreter(family_dir, name):
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the Triton kernels are compiled, not interpreted, in this process")
+    import tinyvllm.kernels.triton.attention as tk
+
+    if not tk._interpreting():  # imported before TRITON_INTERPRET=1 was set (as test_gpu_engine.py)
+        importlib.reload(tk)
+        import tinyvllm.kernels.triton.ops as tops
+
+        importlib.reload(tops)
     _check_logits(family_dir, name, "triton")
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tinyvllm.model.errors import ModelNotFoundError, UnsupportedArchitectureError  # noqa: F401 - re-exported
+
 if TYPE_CHECKING:  # numpy is imported by the conversion only: resolving a cached model imports nothing heavy
     import numpy as np
 
@@ -36,8 +38,6 @@ _CONVERSION_MARKER = "tinyvllm_conversion.json"
 _CONVERSION_VERSION = 1
 
 
-class ModelNotFoundError(ValueError):
-    """The model could not be found or is malformed; the message says what was looked for."""
 
 
 @dataclass
@@ -246,7 +246,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from tinyvllm.model.registry import GGUF_ARCHITECTURES, UnsupportedArchitectureError
+    from tinyvllm.model.registry import GGUF_ARCHITECTURES
 
     try:
         import gguf

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tinyvllm.model.loader import ModelNotFoundError
+from tinyvllm.model.errors import UnsupportedArchitectureError, UnsupportedConfigError
 
 # HF architecture name -> (module under tinyvllm.model, class name)
 MODELS: dict[str, tuple[str, str]] = {
@@ -45,14 +45,6 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 
 ROPE_TYPES = ("default", "linear", "llama3")
 """The rope scaling types :func:`tinyvllm.model.layers.rope_inv_freq` computes."""
-
-
-class UnsupportedArchitectureError(ModelNotFoundError):
-    """An architecture tinyvllm does not run; the message names it and lists the supported ones."""
-
-
-class UnsupportedConfigError(ModelNotFoundError):
-    """A config feature tinyvllm does not run (a rope scaling type, an attention variant), named."""
 
 
 def supported_architectures() -> list[str]:
