@@ -8,9 +8,9 @@ transformers proved): prefill + decode logits in float32 within 1e-4 absolute; g
 batching, chunked prefill, prefix-cache hits and preemption identical to transformers' greedy.
 
 Default tier: logits of every family on the default backend (the C++ kernels where they build), the
-engine paths of Qwen3, Gemma 3 and Qwen3-MoE, one GGUF and one native-GGUF family, the error paths.
+engine paths, GGUF and native GGUF of Qwen3-MoE, the window cap, the dummy shapes, the error paths.
 ``slow``: the other families' engine paths, GGUF, native GGUF, the torch reference and the Triton
-interpreter backends, bf16 agreement.
+interpreter backends, bf16 agreement, a dummy MoE run, the CLI's one-line error.
 """
 
 from __future__ import annotations
@@ -388,6 +388,7 @@ def test_dummy_shapes_are_the_published_models(shape, non_embedding):
     assert abs(n - non_embedding) / non_embedding < 0.01, n
 
 
+@pytest.mark.slow
 def test_dummy_moe_runs(tmp_path):
     """``--load-format dummy`` on a shrunk qwen3-moe-small directory: random weights of the family's
     shapes, greedy generation runs batch invariant (the benchmark's path)."""
