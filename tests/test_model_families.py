@@ -188,8 +188,8 @@ def test_gemma3_query_pre_attn_scalar_is_honoured(tmp_path):
 
 def _engine_paths(family_dir, name: str, path: Path | None = None, **kw) -> None:
     """Greedy 32 tokens of 4 prompts equal transformers' greedy: all batched together with chunked
-    prefill (16-token budget), prefix caching and few enough KV blocks to preempt; then again with
-    prefix-cache hits; then one prompt alone."""
+    prefill (16-token budget), prefix caching, a host KV offload tier and few enough KV blocks to
+    preempt; then again with prefix-cache hits (from the pool or the tier); then one prompt alone."""
     from tinyvllm import LLM
 
     hf_dir = family_dir(name)
@@ -197,7 +197,7 @@ def _engine_paths(family_dir, name: str, path: Path | None = None, **kw) -> None
     prompts = _prompts(cfg["vocab_size"])
     ref = _hf_greedy(_hf_model(hf_dir, name), prompts)
     llm = LLM(str(path or hf_dir), dtype="float32", block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
-              enable_prefix_caching=True, **kw)
+              enable_prefix_caching=True, kv_offload_size="16MiB", **kw)
     sp = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     got = [list(o.outputs[0].token_ids) for o in llm.generate(inputs, sp)]
@@ -210,6 +210,7 @@ def _engine_paths(family_dir, name: str, path: Path | None = None, **kw) -> None
     alone = list(llm.generate(inputs[1], sp)[0].outputs[0].token_ids)
     assert alone == ref[1]
     s = llm.stats()
+    assert s["kv_offload_stored_blocks"] > 0 and s["kv_offload_loaded_blocks"] > 0  # the offload tier too
     assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
 
 
