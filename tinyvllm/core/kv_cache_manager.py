@@ -224,6 +224,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make the request own blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
@@ -238,6 +239,9 @@ class KVCacheManager:
                 become the head of its block table. The offload-tier hits of that
                 lookup follow them: fresh blocks are allocated for them, registered
                 under their hashes, and loaded from the tier before the step's forward.
+            delay_cache_blocks: do not register the new full blocks in the prefix cache
+                (vLLM's flag): their KV is loaded from another engine later; the
+                request's next allocation registers them.
 
         Returns:
             The newly allocated blocks (possibly empty), or None if the pool has
@@ -295,7 +299,7 @@ class KVCacheManager:
                 self.block_pool.cache_full_block(block, h)
             self.num_cached_blocks[request_id] = len(hit) + len(tier)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_full = min(total_tokens, len(token_ids)) // bs
             start = self.num_cached_blocks.get(request_id, 0)
             if num_full > start:
