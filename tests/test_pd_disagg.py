@@ -1,0 +1,414 @@
+"""Prefill/decode disaggregation through the real vllm-router (PyPI ``vllm-router``, a Rust binary): a prefill
+engine and a decode engine (``tinyvllm serve --kv-transfer-config '{"kv_connector": "ZmqConnector"...}'``) and
+the router in ``--vllm-pd-disaggregation`` mode, all started here on 127.0.0.1.
+
+The reference of every output is a single engine: the prefill engine itself, asked directly without
+``kv_transfer_params`` (greedy). The decode engine's own stats (``/debug/stats``) show how much of each prompt
+it computed and how many pulls landed or failed; ``/debug/state`` shows what each engine still holds.
+
+The default tier shares one P + D + router set for the module (~20 s); the 100-request soak with client
+disconnects and a decode engine killed mid-stream is ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_utils import MODEL, Server
+
+BLOCK_SIZE = 16  # the default --block-size
+TTL_S = 3.0  # the prefill engine's TINYVLLM_KV_ABORT_REQUEST_TIMEOUT here
+TRANSFER_TIMEOUT_S = 2.0  # the decode engine's transfer_timeout here
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "16", "--kv-cache-memory", "128MiB"]
+PROMPTS = ["The capital of France is a city that", "Write a haiku about the sea.\n",
+           "def fibonacci(n):\n    " + "# compute the n-th Fibonacci number iteratively\n    " * 3]
+CHATS = [[{"role": "user", "content": "Name three colors and say why you like them."}],
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 17 * 3? Explain."}]]
+
+
+def _kv_config(role: str = "kv_both", **extra: object) -> str:
+    return json.dumps({"kv_connector": "ZmqConnector", "kv_role": role, "kv_connector_extra_config": extra})
+
+
+def _router_works() -> str | None:
+    """Why the router binary cannot run here (None: it runs)."""
+    if not os.path.exists(ROUTER):
+        return f"vllm-router binary not found (pip install vllm-router==0.1.17): {ROUTER}"
+    try:
+        r = subprocess.run([ROUTER, "--help"], capture_output=True, timeout=30)
+    except OSError as e:
+        return f"vllm-router cannot run on this machine: {e}"
+    return None if r.returncode == 0 else f"vllm-router --help exited {r.returncode}: {r.stderr[-300:]!r}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Router:
+    """The vllm-router process in vLLM P/D mode in front of ``prefill`` and ``decode`` URLs."""
+
+    def __init__(self, log: Path, prefill: list[str], decode: list[str], extra: list[str] = ()) -> None:
+        self.log = log
+        for _ in range(5):
+            self.port = _free_port()
+            cmd = [ROUTER, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--policy", "round_robin", "--worker-startup-check-interval", "1", *extra]
+            for url in prefill:
+                cmd += ["--prefill", url]
+            for url in decode:
+                cmd += ["--decode", url]
+            with open(log, "wb") as f:
+                self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+            if self._wait_ready():
+                return
+            self.stop()
+        raise RuntimeError(f"vllm-router did not start:\n{log.read_text()[-3000:]}")
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait_ready(self, timeout: float = 60) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False  # (e.g. the port was taken meanwhile: try another)
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200 and \
+                        "Router ready" in self.log.read_text(errors="replace"):
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _start_engines(tmp: Path, specs: list[tuple[str, list[str], dict[str, str]]]) -> list[Server]:
+    servers = [Server(tmp / f"{name}.log", [*ENGINE_ARGS, *args], env=env) for name, args, env in specs]
+    try:
+        for s in servers:
+            s.wait_healthy()
+    except RuntimeError as e:
+        for s in servers:
+            s.stop()
+        pytest.fail(str(e))
+    return servers
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    if (why := _router_works()) is not None:
+        pytest.skip(why)
+    tmp = tmp_path_factory.mktemp("pd")
+    prefill, decode = _start_engines(tmp, [
+        ("prefill", ["--kv-transfer-config", _kv_config("kv_producer")],
+         {"TINYVLLM_KV_ABORT_REQUEST_TIMEOUT": str(TTL_S)}),
+        ("decode", ["--kv-transfer-config", _kv_config("kv_consumer", transfer_timeout=TRANSFER_TIMEOUT_S)], {}),
+    ])
+    try:
+        router = Router(tmp / "router.log", [prefill.base], [decode.base])
+    except RuntimeError as e:
+        prefill.stop()
+        decode.stop()
+        pytest.fail(str(e))
+    try:
+        yield prefill, decode, router
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()
+
+
+def _stats(srv: Server) -> dict:
+    return httpx.get(srv.base + "/debug/stats", timeout=10).json()
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _assert_idle(*servers: Server, timeout: float = 15.0) -> None:
+    for s in servers:
+        st = s.wait_idle(timeout)
+        assert not any(st.values()), (s.log_path.name, st)
+
+
+def test_outputs_through_router_equal_a_single_engine_and_decode_computes_one_token(pd):
+    """Completions and chats (plain and streamed, by the openai SDK through the router) give the single
+    engine's greedy text; per request the decode engine pulls the prompt's KV and computes at most one block
+    of the prompt (here exactly its last token)."""
+    prefill, decode, router = pd
+    single, via = _client(prefill.base), _client(router.base)
+    common = {"model": MODEL, "temperature": 0, "max_tokens": 12}
+    cases = [("completion", PROMPTS[0], False), ("completion", PROMPTS[2], True),
+             ("chat", CHATS[0], False), ("chat", CHATS[1], True)]
+    for kind, prompt, stream in cases:
+        if kind == "completion":
+            ref = single.completions.create(prompt=prompt, **common).choices[0].text
+        else:
+            ref = single.chat.completions.create(messages=prompt, **common).choices[0].message.content
+        before = _stats(decode)
+        if kind == "completion" and not stream:
+            got = via.completions.create(prompt=prompt, **common).choices[0].text
+        elif kind == "completion":
+            got = "".join(c.choices[0].text for c in via.completions.create(prompt=prompt, stream=True, **common))
+        elif not stream:
+            got = via.chat.completions.create(messages=prompt, **common).choices[0].message.content
+        else:
+            got = "".join(c.choices[0].delta.content or "" for c in
+                          via.chat.completions.create(messages=prompt, stream=True, **common) if c.choices)
+        after = _stats(decode)
+        assert got == ref, (kind, stream, prompt)
+        assert after["kv_transfer_recv_requests"] == before["kv_transfer_recv_requests"] + 1, (kind, after)
+        assert after["kv_transfer_failed_requests"] == before["kv_transfer_failed_requests"]
+        computed = after["prefill_tokens"] - before["prefill_tokens"]
+        assert 1 <= computed <= BLOCK_SIZE, (kind, stream, computed)
+    assert _stats(decode)["kv_transfer_recv_bytes"] > 0
+    _assert_idle(prefill, decode)
+
+
+def test_prefill_response_carries_kv_transfer_params_and_unclaimed_blocks_expire(pd):
+    """A prefill request (vLLM's protocol: do_remote_decode, max_tokens 1) answers with the fields the
+    decode side needs and keeps the prompt's blocks; nobody pulls them, so they are freed after the TTL."""
+    prefill, decode, _ = pd
+    prompt = "Tell me a long story about a lighthouse keeper and the sea. " * 3
+    before = _stats(prefill)
+    r = httpx.post(prefill.base + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                               "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    params = body["kv_transfer_params"]
+    n = body["usage"]["prompt_tokens"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_host"] == "127.0.0.1" and isinstance(params["remote_port"], int)
+    assert isinstance(params["remote_engine_id"], str) and isinstance(params["remote_request_id"], str)
+    assert len(params["remote_block_ids"]) == -(-n // BLOCK_SIZE)
+    st = prefill.state()
+    assert st["core_kv_blocks_used"] == len(params["remote_block_ids"]) and st["core_running"] == 0, st
+    t0 = time.monotonic()
+    _assert_idle(prefill, timeout=TTL_S + 10)
+    assert time.monotonic() - t0 >= TTL_S - 1.0  # kept until the TTL, not freed at once
+    assert _stats(prefill)["kv_transfer_expired_requests"] == before["kv_transfer_expired_requests"] + 1
+
+    # The expired params, sent to the decode engine: the pull finds the blocks gone and the decode engine
+    # computes the prompt itself, with the single engine's tokens.
+    ref = _client(prefill.base).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    before = _stats(decode)
+    got = httpx.post(decode.base + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "kv_transfer_params": params})
+    after = _stats(decode)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == ref.choices[0].text
+    assert after["kv_transfer_failed_requests"] == before["kv_transfer_failed_requests"] + 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == n  # recomputed in full
+    _assert_idle(prefill, decode)
+
+
+def _prefill_params(prefill: Server, prompt: str) -> dict:
+    r = httpx.post(prefill.base + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["kv_transfer_params"]
+
+
+def test_transfer_failures_fall_back_to_recompute_with_identical_tokens(pd):
+    """Blocks of another prompt (a router bug or a tampered request) are refused by the prefill side and an
+    unreachable prefill engine times out: either way the decode engine computes the prompt itself and its
+    tokens are the single engine's; nothing stays allocated on either side."""
+    prefill, decode, _ = pd
+    prompt = "List the planets of the solar system in order, with one fact about each."
+    ref = _client(prefill.base).completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    other = _prefill_params(prefill, "An entirely different prompt about cooking pasta, of similar length.")
+    dead = {**other, "remote_port": _free_port()}
+    for params, why in ((other, "another prompt"), (dead, "unreachable")):
+        before = _stats(decode)
+        t0 = time.monotonic()
+        r = httpx.post(decode.base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "kv_transfer_params": params})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.choices[0].text, why
+        after = _stats(decode)
+        assert after["kv_transfer_failed_requests"] == before["kv_transfer_failed_requests"] + 1, why
+        assert after["kv_transfer_recv_requests"] == before["kv_transfer_recv_requests"], why
+        if why == "unreachable":
+            assert time.monotonic() - t0 >= TRANSFER_TIMEOUT_S - 0.5
+    _assert_idle(prefill, decode)  # the refused pull freed the other prompt's blocks at once
+
+
+def test_bad_kv_transfer_params_are_400s(pd):
+    prefill, _, _ = pd
+    for params, field in (({"do_remote_decode": "yes"}, "kv_transfer_params"), ("nope", "kv_transfer_params")):
+        r = httpx.post(prefill.base + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 1, "kv_transfer_params": params})
+        assert r.status_code == 400, r.text
+        assert field in json.dumps(r.json())
+    r = httpx.post(prefill.base + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 1, "n": 2, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "kv_transfer_params" in r.text, r.text
+    _assert_idle(prefill)
+
+
+def test_client_disconnect_aborts_on_both_engines(pd):
+    """A client that leaves a stream through the router mid-decode: the decode engine aborts (it stops
+    generating), the prefill engine's blocks were pulled, and neither holds anything afterwards."""
+    prefill, decode, router = pd
+    body = {"model": MODEL, "prompt": "Count to one thousand: 1, 2, 3,", "max_tokens": 600, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    before = _stats(decode)
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", router.base + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = 0
+            for line in lines:
+                if line.startswith("data: ") and '"text"' in line:
+                    seen += 1
+                    if seen == 3:
+                        break
+    _assert_idle(prefill, decode)
+    after = _stats(decode)
+    assert after["decode_tokens"] - before["decode_tokens"] < body["max_tokens"] - 100  # stopped early
+    assert after["kv_transfer_recv_requests"] == before["kv_transfer_recv_requests"] + 1
+
+
+def _serve_error(args: list[str], timeout: float = 120) -> tuple[int, str]:
+    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--port", "0", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("config, words", [
+    ("{not json", "kv-transfer-config is not valid JSON"),
+    ('{"kv_role": "kv_both"}', "needs 'kv_connector'"),
+    ('{"kv_connector": "NixlConnector"}', "kv_connector must be one of ZmqConnector"),
+    ('{"kv_connector": "ZmqConnector", "kv_role": "kv_sender"}', "kv_role must be one of"),
+    ('{"kv_connector": "ZmqConnector", "kv_buffer_sise": 1}', "unknown key(s) ['kv_buffer_sise']"),
+])
+def test_bad_kv_transfer_config_is_a_one_line_error(config, words):
+    code, out = _serve_error(["--kv-transfer-config", config], timeout=60)
+    assert code != 0
+    assert words in out, out
+    assert "Traceback" not in out, out
+    assert len([ln for ln in out.splitlines() if "ERROR" in ln]) == 1, out
+
+
+@pytest.mark.slow
+def test_side_channel_port_taken_is_a_one_line_error():
+    """The prefill engine's side channel cannot be bound (its port is taken): a one-line error at start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, out = _serve_error(["--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                                  "--kv-transfer-config", _kv_config(side_channel_port=port)])
+    assert code != 0
+    assert f"cannot bind the KV side channel on 127.0.0.1:{port}" in out, out
+    assert "Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_soak_100_requests_with_disconnects_and_a_killed_decode_engine(tmp_path):
+    """100 requests through the router over one prefill and two decode engines: 10 clients disconnect
+    mid-stream, and one decode engine is killed (SIGKILL, API and core) while it streams. Clients of the
+    killed engine get an error (never a wrong token: every completed greedy output equals the single
+    engine's); the router keeps serving with the survivors, which own 0 blocks and track 0 requests."""
+    if (why := _router_works()) is not None:
+        pytest.skip(why)
+    prefill, d1, d2 = _start_engines(tmp_path, [
+        ("prefill", ["--kv-transfer-config", _kv_config("kv_producer")],
+         {"TINYVLLM_KV_ABORT_REQUEST_TIMEOUT": str(TTL_S)}),
+        ("decode1", ["--kv-transfer-config", _kv_config("kv_consumer", transfer_timeout=TRANSFER_TIMEOUT_S)], {}),
+        ("decode2", ["--kv-transfer-config", _kv_config("kv_consumer", transfer_timeout=TRANSFER_TIMEOUT_S)], {}),
+    ])
+    router = Router(tmp_path / "router.log", [prefill.base], [d1.base, d2.base],
+                    ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"])
+    try:
+        prompts = [f"Request {i}: write a short note about the number {i * 7}." for i in range(100)]
+        single = _client(prefill.base)
+        refs = {i: single.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0).choices[0].text
+                for i, p in enumerate(prompts)}
+        killed = {"done": False}
+
+        def one(i: int) -> tuple[str, str | None]:
+            body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 20, "temperature": 0, "stream": True}
+            if i == 40:  # a long stream on whichever decode engine: killed mid-stream
+                body.update(max_tokens=400, ignore_eos=True)
+            text, chunks = "", 0
+            try:
+                with httpx.Client(timeout=60) as c, c.stream("POST", router.base + "/v1/completions",
+                                                              json=body) as r:
+                    if r.status_code != 200:
+                        return "error", f"HTTP {r.status_code}"
+                    done = False
+                    for line in r.iter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                            break
+                        if line.startswith("data: "):
+                            obj = json.loads(line[6:])
+                            if "error" in obj:
+                                return "error", obj["error"].get("message")
+                            text += obj["choices"][0]["text"]
+                            chunks += 1
+                            if i % 10 == 3 and chunks == 2:
+                                return "disconnected", None
+                            if i == 40 and chunks == 5 and not killed["done"]:
+                                killed["done"] = True
+                                victim = d1 if _stats(d1)["num_running"] else d2
+                                for pid in (victim.proc.pid, victim.core_pid):
+                                    os.kill(pid, signal.SIGKILL)
+                                killed["victim"] = victim
+                    if not done:
+                        return "error", "stream ended without [DONE]"
+            except httpx.HTTPError as e:
+                return "error", type(e).__name__
+            return ("ok", text) if i != 40 else ("error", "the killed stream finished")
+
+        with ThreadPoolExecutor(8) as ex:
+            results = list(ex.map(one, range(100)))
+        assert killed["done"]
+        assert results[40][0] == "error", results[40]
+        wrong = [(i, t) for i, (k, t) in enumerate(results) if k == "ok" and t != refs[i]]
+        assert not wrong, wrong
+        ok = sum(k == "ok" for k, _ in results)
+        assert ok >= 80, results  # the router kept serving with the survivors
+        survivors = [s for s in (prefill, d1, d2) if s is not killed["victim"]]
+        _assert_idle(*survivors, timeout=TTL_S + 20)  # unpulled prefills of the dead engine's requests expire
+        # still serving after the kill
+        after = _client(router.base).completions.create(model=MODEL, prompt=prompts[0], max_tokens=20,
+                                                        temperature=0)
+        assert after.choices[0].text == refs[0]
+        _assert_idle(*survivors, timeout=TTL_S + 20)
+    finally:
+        router.stop()
+        for s in (prefill, d1, d2):
+            s.stop()
