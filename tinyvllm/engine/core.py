@@ -104,6 +104,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload,
                                    connector=connector)
         self.kv_transfers_changed = False  # the last step completed a KV transfer (freed or landed blocks)
+        self.last_step_idle = False  # the last step ran nothing and changed nothing (waiting on transfers)
         # Grammars compile in a background thread; the tokenizer is loaded there at the first
         # constrained request (tests with a raw vocabulary replace the manager).
         model_dir, vocab_size = self.resolved.model_dir, info.vocab_size
@@ -191,10 +192,12 @@ class EngineCore:
             if pending:
                 pending[0].wait(0.005)
         self.kv_transfers_changed = False
+        self.last_step_idle = sched.is_empty and not outputs and not sched.finished_req_ids
         if (not sched.is_empty or sched.finished_req_ids  # an empty schedule may still carry finishes
                 or sched.kv_connector_metadata or self.scheduler.has_pending_kv_transfers()):
             result = self.model_executor.execute_model(sched)
             self.kv_transfers_changed = self.scheduler.update_from_kv_xfer_finished(result.kv_connector_output)
+            self.last_step_idle = self.last_step_idle and not self.kv_transfers_changed
             for req in self.scheduler.update_from_output(sched, result.sampled):
                 lp = result.logprobs.get(req.request_id)
                 outputs.append(EngineCoreOutput(

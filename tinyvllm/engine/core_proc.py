@@ -174,7 +174,9 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                     return
         stepped = core.has_unfinished_requests()
         outputs = core.step() if stepped or kv_pending else []
-        if stepped or changed or (kv_pending and core.kv_transfers_changed):
+        # (a step that only waited for KV transfers changed nothing the API process needs to hear of)
+        if (stepped and not (core.scheduler.connector is not None and core.last_step_idle)) or changed or (
+                kv_pending and core.kv_transfers_changed):
             stats = core.make_stats()
             stats.num_added = num_added
             msg = [OUTPUTS_TAG, encode(EngineCoreOutputs(outputs, rejected, stats,
