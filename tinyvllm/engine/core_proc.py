@@ -108,7 +108,8 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_info.vocab_size,
             eos_token_id=core.model_info.eos_token_id, num_kv_blocks=core.num_blocks,
             block_size=config.cache_config.block_size, load_seconds=core.load_seconds,
-            served_name=core.resolved.served_name))])
+            served_name=core.resolved.served_name, dtype=str(core.dtype).replace("torch.", ""),
+            quantization=str(getattr(core.model, "quantization", "none"))))])
         try:
             _busy_loop(core, in_sock, out_sock, parent_pid, stop)
         except Exception as e:

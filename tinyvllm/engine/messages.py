@@ -124,6 +124,9 @@ class EngineCoreReady(msgspec.Struct):
         num_kv_blocks / block_size: the KV pool.
         load_seconds: model load and KV allocation time.
         served_name: the model's own name.
+        dtype: the weights' and KV cache's dtype (``bfloat16``, ``float32``...).
+        quantization: how the linears run: ``none`` (dense weights in ``dtype``) or ``gguf`` (on the
+            GGUF file's quantized blocks, :mod:`tinyvllm.model.gguf_quant`).
     """
 
     pid: int
@@ -134,6 +137,8 @@ class EngineCoreReady(msgspec.Struct):
     block_size: int
     load_seconds: float
     served_name: str
+    dtype: str = ""
+    quantization: str = ""
 
 
 class EngineCoreError(msgspec.Struct):

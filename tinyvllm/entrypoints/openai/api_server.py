@@ -274,8 +274,11 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         except OSError as e:
             logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
             return 1
-        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host,
-                    sock.getsockname()[1], engine.engine_pid)
+        info = engine.engine_info
+        logger.info("serving %s on http://%s:%d (%s, quantization %s, KV cache %d tokens, max_model_len %d; "
+                    "engine core pid %d)", engine.model_name, args.host, sock.getsockname()[1], info.dtype or "?",
+                    info.quantization or "?", info.num_kv_blocks * info.block_size, engine.max_model_len,
+                    engine.engine_pid)
         await server.serve(sockets=[sock])
         return 0 if server.started and not died else 1
     finally:
