@@ -202,6 +202,8 @@ class ZmqConnector(KVConnectorBase_V1):
         why = None
         if not self.consumes:
             why = f"kv_role is {self.config.kv_role}"
+        elif request.sampling_params.prompt_logprobs is not None:
+            why = "prompt logprobs need every prompt position computed here"
         elif remote is None or not isinstance(block_ids, list) or not all(
                 isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
             why = "kv_transfer_params lack remote_host / remote_port / remote_request_id / remote_block_ids"
