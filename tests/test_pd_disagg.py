@@ -267,6 +267,27 @@ def test_unclaimed_prefill_expires_and_failed_pulls_recompute_identically(pd):
     _assert_idle(prefill, decode)
 
 
+def test_decode_request_with_prompt_logprobs_computes_its_prompt_and_releases_the_blocks(pd):
+    """Prompt logprobs need every prompt position computed on the decode engine: it does not pull, tells the
+    prefill engine at once (the blocks are freed before the TTL), and returns the single engine's logprobs."""
+    prefill, decode, _ = pd
+    prompt = "Three facts about the moon:"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1}
+    ref = httpx.post(prefill.base + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    params, n = _prefill_params(prefill, prompt)
+    t0 = time.monotonic()
+    before = _stats(decode)
+    got = httpx.post(decode.base + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
+    assert got.status_code == 200, got.text
+    after = _stats(decode)
+    assert got.json()["choices"][0]["text"] == ref["text"]
+    assert got.json()["choices"][0]["prompt_logprobs"] == ref["prompt_logprobs"]
+    assert after["kv_transfer_recv_requests"] == before["kv_transfer_recv_requests"]
+    assert after["prefill_tokens"] - before["prefill_tokens"] == n
+    _assert_idle(prefill, decode)
+    assert time.monotonic() - t0 < TTL_S  # released, not expired
+
+
 def test_bad_kv_transfer_params_are_400s(pd):
     prefill, _, _ = pd
     for params, field in (({"do_remote_decode": "yes"}, "kv_transfer_params"), ("nope", "kv_transfer_params")):
