@@ -227,9 +227,9 @@ class _SamplingFields(OpenAIBaseModel):
         for key in ("do_remote_decode", "do_remote_prefill"):
             if p.get(key) is not None and not isinstance(p[key], bool):
                 raise InvalidRequestError(f"kv_transfer_params.{key} must be a boolean", "kv_transfer_params")
-        if (p.get("do_remote_decode") or p.get("do_remote_prefill")) and self.n != 1:
-            raise InvalidRequestError("kv_transfer_params (prefill/decode disaggregation) needs n = 1",
-                                      "kv_transfer_params")
+        if self.n != 1:  # n samples: each engine computes the prompt itself (the tokens are the same either way)
+            logger.info("kv_transfer_params ignored for a request with n = %d", self.n)
+            return None
         return {"kv_transfer_params": dict(p)}
 
     @property
