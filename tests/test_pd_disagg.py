@@ -376,6 +376,112 @@ def test_client_disconnect_aborts_on_both_engines(pd):
     assert after["kv_transfer_recv_requests"] == before["kv_transfer_recv_requests"] + 1
 
 
+# ----------------------------------------------------------------------------- in-process: the scheduler's states
+
+
+@pytest.fixture(scope="module")
+def tiny_pd(tmp_path_factory):
+    """A prefill, a decode and a reference EngineCore in this process on one tiny random model (float32)."""
+    from tiny_models import make_tiny_llama
+
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.core import EngineCore
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("tiny_pd"), vocab=128, hidden=64, layers=2)
+    kw = dict(model=str(path), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
+    prefill = EngineCore(EngineConfig.from_kwargs(**kw, kv_transfer_config=_kv_config()))
+    decode = EngineCore(EngineConfig.from_kwargs(**kw, kv_transfer_config=_kv_config(transfer_timeout=5)),
+                        model=prefill.model)
+    single = EngineCore(EngineConfig.from_kwargs(**kw), model=prefill.model)
+    return prefill, decode, single
+
+
+def _add(core, rid: str, prompt: list[int], max_tokens: int, params: dict | None = None) -> None:
+    from tinyvllm.engine.messages import EngineCoreRequest
+    from tinyvllm.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    core.add_request(EngineCoreRequest(rid, prompt, sp, [2]))
+
+
+def _run(*cores, others=(), drain: bool = False) -> dict[str, list[int]]:
+    """Step ``cores`` until their requests are done (and, with ``drain``, every KV transfer of ``cores`` and
+    ``others`` too), stepping ``others`` while they have KV transfers pending; tokens by request."""
+    out: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 60
+    while any(c.has_unfinished_requests() or (drain and c.has_pending_kv_transfers()) for c in (*cores, *others)):
+        assert time.monotonic() < deadline
+        for c in (*cores, *others):
+            if c.has_unfinished_requests() or c.has_pending_kv_transfers():
+                for o in c.step():
+                    out.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.kv_transfer_params:
+                        out[o.request_id + ":params"] = o.kv_transfer_params  # type: ignore[assignment]
+    return out
+
+
+def test_parked_request_holds_blocks_that_are_no_prefix_hits_until_they_land(tiny_pd):
+    """While a request waits for its KV (WAITING_FOR_REMOTE_KVS) its blocks are allocated but not in the
+    prefix cache: a request with the same prompt admitted meanwhile finds nothing to reuse (their content
+    is not there yet) and computes its prompt; once the KV lands, both give the single engine's tokens and
+    later requests do hit the landed blocks."""
+    from tinyvllm.request import RequestStatus
+
+    prefill, decode, single = tiny_pd
+    prompt = [(7 * i + 3) % 120 + 3 for i in range(23)]
+    _add(single, "ref", prompt, 8)
+    ref = _run(single)["ref"]
+    _add(prefill, "p", prompt, 1, {"do_remote_decode": True})
+    params = _run(prefill)["p:params"]  # prefill done; its blocks are kept (not yet registered for serving)
+    assert prefill.has_pending_kv_transfers() and prefill.scheduler.kv.num_owned_blocks() == len(
+        params["remote_block_ids"])
+    _add(decode, "a", prompt, 8, params)
+    decode.step()  # a is parked, its pull sent; the prefill engine has not stepped: the pull waits
+    req = decode.scheduler.requests["a"]
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and decode.scheduler.kv.get_block_ids("a")
+    cached_before = decode.scheduler.stats.cached_prompt_tokens
+    _add(decode, "b", prompt, 8)
+    first = {o.request_id: o.new_token_ids for o in decode.step()}
+    assert decode.scheduler.requests["b"].num_cached_tokens == 0
+    assert decode.scheduler.stats.cached_prompt_tokens == cached_before
+    out = _run(decode, others=(prefill,), drain=True)
+    assert out["a"] == ref and first.get("b", []) + out["b"] == ref
+    st = decode.stats()
+    assert st["kv_transfer_recv_requests"] >= 1 and st["kv_transfer_failed_requests"] == 0
+    _add(decode, "c", prompt, 8)
+    out = _run(decode)
+    assert out["c"] == ref and decode.scheduler.requests.get("c") is None
+    assert decode.stats()["prefix_cache_hits"] > 0
+    for core in (prefill, decode):
+        assert core.scheduler.kv.num_owned_blocks() == 0 and not core.has_pending_kv_transfers()
+        core.scheduler.kv.check_invariants()
+
+
+def test_abort_while_waiting_for_remote_kv_frees_both_sides(tiny_pd):
+    """A decode request aborted while its KV is in flight: its blocks are freed at once, the late bytes are
+    dropped (never written into blocks that may belong to another request now), and the prefill engine is
+    told to free its kept blocks without waiting for the TTL."""
+    from tinyvllm.request import RequestStatus
+
+    prefill, decode, _ = tiny_pd
+    prompt = [(11 * i + 5) % 120 + 3 for i in range(30)]
+    _add(prefill, "p2", prompt, 1, {"do_remote_decode": True})
+    params = _run(prefill)["p2:params"]
+    _add(decode, "a2", prompt, 8, params)
+    decode.step()
+    assert decode.scheduler.requests["a2"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    decode.abort_requests(["a2"])
+    assert decode.scheduler.kv.num_owned_blocks() == 0
+    t0 = time.monotonic()
+    _run(decode, prefill, drain=True)  # the release reaches the prefill engine's side channel: blocks freed
+    assert time.monotonic() - t0 < 5 and prefill.scheduler.kv.num_owned_blocks() == 0
+    assert prefill.stats()["kv_transfer_expired_requests"] == 0
+    assert not decode.model_executor.worker.kv_connector._loads
+    for core in (prefill, decode):
+        core.scheduler.kv.check_invariants()
+
+
 def _serve_error(args: list[str], timeout: float = 120) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--port", "0", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
