@@ -594,3 +594,51 @@ def test_soak_100_requests_with_disconnects_and_a_killed_decode_engine(tmp_path)
     finally:
         router.stop()
         _stop_all(prefill, d1, d2)
+
+
+@pytest.mark.slow
+def test_killed_prefill_engine_mid_traffic(tmp_path):
+    """Two prefill engines and one decode engine; one prefill engine is killed (SIGKILL) while requests
+    flow. Each client gets the single engine's greedy text or an error (an OpenAI-style error or a broken
+    stream; never a wrong token); the router keeps serving; the survivors own 0 blocks and track 0 requests
+    (a decode request whose pull found the prefill engine dead recomputed, or timed out and recomputed)."""
+    if (why := _router_works()) is not None:
+        pytest.skip(why)
+    p1, p2, d = _start_engines(tmp_path, [
+        ("prefill1", ["--kv-transfer-config", _kv_config("kv_producer")], {"TINYVLLM_KV_ABORT_REQUEST_TIMEOUT": "3"}),
+        ("prefill2", ["--kv-transfer-config", _kv_config("kv_producer")], {"TINYVLLM_KV_ABORT_REQUEST_TIMEOUT": "3"}),
+        ("decode", ["--kv-transfer-config", _kv_config("kv_consumer", transfer_timeout=TRANSFER_TIMEOUT_S)], {}),
+    ])
+    router = Router(tmp_path / "router.log", [p1.base, p2.base], [d.base],
+                    ["--health-check-interval-secs", "1", "--health-failure-threshold", "1"])
+    try:
+        prompts = [f"Item {i}: describe the colour {i * 13} in one sentence." for i in range(40)]
+        single = _client(p2.base)
+        refs = [single.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in prompts]
+
+        def one(i: int) -> tuple[str, str]:
+            if i == 12:
+                for pid in (p1.proc.pid, p1.core_pid):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                r = httpx.post(router.base + "/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": prompts[i], "max_tokens": 16, "temperature": 0})
+            except httpx.HTTPError as e:
+                return "error", type(e).__name__
+            if r.status_code != 200:
+                return "error", r.text[:200]
+            return "ok", r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as ex:
+            results = list(ex.map(one, range(40)))
+        wrong = [(i, t) for i, (k, t) in enumerate(results) if k == "ok" and t != refs[i]]
+        assert not wrong, wrong
+        assert sum(k == "ok" for k, _ in results) >= 25, results
+        after = _client(router.base).completions.create(model=MODEL, prompt=prompts[0], max_tokens=16,
+                                                        temperature=0)
+        assert after.choices[0].text == refs[0]
+        _assert_idle(p2, d, timeout=20)
+    finally:
+        router.stop()
+        _stop_all(p1, p2, d)
