@@ -482,6 +482,71 @@ def test_abort_while_waiting_for_remote_kv_frees_both_sides(tiny_pd):
         core.scheduler.kv.check_invariants()
 
 
+def _subscriber(endpoint: str):
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
+def _events(sub, until, timeout: float = 10.0) -> list:
+    """Decode KVEventBatch messages (vLLM's layout, decoded here as plain msgpack) until ``until(events)``."""
+    import msgspec
+
+    events: list = []
+    deadline = time.monotonic() + timeout
+    while not until(events) and time.monotonic() < deadline:
+        if sub.poll(100):
+            topic, seq, payload = sub.recv_multipart()
+            ts, batch = msgspec.msgpack.decode(payload)[:2]
+            assert isinstance(ts, float) and len(seq) == 8
+            events.extend(batch)
+    return events
+
+
+def test_kv_events_in_vllm_format_mirror_the_prefix_cache(tiny_pd):
+    """--kv-events-config: every block registered in the prefix cache is a BlockStored with its chained
+    hash, its parent's and its tokens; a block handed out again is a BlockRemoved; a reset is
+    AllBlocksCleared (vLLM's msgpack layout: tagged arrays in [ts, events, dp_rank])."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.core import EngineCore
+
+    prefill, _, _ = tiny_pd
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    kw = dict(model=prefill.config.model_config.model, dtype="float32", block_size=4, num_kv_blocks=12,
+              max_model_len=48)
+    core = EngineCore(EngineConfig.from_kwargs(**kw, kv_events_config=json.dumps(
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint})), model=prefill.model)
+    sub = _subscriber(endpoint)
+    time.sleep(0.3)  # a PUB socket drops what is sent before the subscription arrives
+    try:
+        prompt = [5 + i for i in range(10)]  # two full blocks of 4 (the last token's block is never full here)
+        _add(core, "e1", prompt, 1)
+        _run(core)
+        ev = _events(sub, lambda e: len(e) >= 2)
+        stored = [e for e in ev if e[0] == "BlockStored"]
+        assert [e[3] for e in stored] == [prompt[0:4], prompt[4:8]]
+        assert stored[0][2] is None and stored[1][2] == stored[0][1][0] and stored[0][4] == 4
+        assert all(len(h) == 16 for e in stored for h in e[1])
+        hashes = core.scheduler.kv.block_pool.cached_block_hash_to_block
+        assert {int.from_bytes(e[1][0], "big") for e in stored} == set(hashes)
+        # 12 blocks: a 45-token prompt (and its token) takes all 12, the two cached ones included
+        _add(core, "e2", [60 + i for i in range(45)], 1)
+        _run(core)
+        ev = _events(sub, lambda e: any(x[0] == "BlockRemoved" for x in e))
+        removed = [h for e in ev if e[0] == "BlockRemoved" for h in e[1]]
+        assert set(removed) == {e[1][0] for e in stored}
+        assert core.reset_prefix_cache()
+        assert _events(sub, lambda e: any(x[0] == "AllBlocksCleared" for x in e))[-1] == ["AllBlocksCleared"]
+    finally:
+        sub.close(0)
+        core.kv_event_publisher.shutdown()
+
+
 def _serve_error(args: list[str], timeout: float = 120) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--port", "0", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
@@ -489,15 +554,17 @@ def _serve_error(args: list[str], timeout: float = 120) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("config, words", [
-    ("{not json", "kv-transfer-config is not valid JSON"),
-    ('{"kv_role": "kv_both"}', "needs 'kv_connector'"),
-    ('{"kv_connector": "NixlConnector"}', "kv_connector must be one of ZmqConnector"),
-    ('{"kv_connector": "ZmqConnector", "kv_role": "kv_sender"}', "kv_role must be one of"),
-    ('{"kv_connector": "ZmqConnector", "kv_buffer_sise": 1}', "unknown key(s) ['kv_buffer_sise']"),
+@pytest.mark.parametrize("flag, config, words", [
+    ("--kv-transfer-config", "{not json", "kv-transfer-config is not valid JSON"),
+    ("--kv-transfer-config", '{"kv_role": "kv_both"}', "needs 'kv_connector'"),
+    ("--kv-transfer-config", '{"kv_connector": "NixlConnector"}', "kv_connector must be one of ZmqConnector"),
+    ("--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_role": "kv_sender"}', "kv_role must be one of"),
+    ("--kv-transfer-config", '{"kv_connector": "ZmqConnector", "kv_buffer_sise": 1}',
+     "unknown key(s) ['kv_buffer_sise']"),
+    ("--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher must be 'zmq'"),
 ])
-def test_bad_kv_transfer_config_is_a_one_line_error(config, words):
-    code, out = _serve_error(["--kv-transfer-config", config], timeout=60)
+def test_bad_kv_transfer_config_is_a_one_line_error(flag, config, words):
+    code, out = _serve_error([flag, config], timeout=60)
     assert code != 0
     assert words in out, out
     assert "Traceback" not in out, out

@@ -258,6 +258,63 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: publish the prefix cache's changes as vLLM's KV events (a JSON object).
+
+    Attributes:
+        enable_kv_cache_events: publish at all.
+        publisher: ``zmq`` (a ZMQ PUB socket) or ``null`` (none; vLLM's default).
+        endpoint: where the PUB socket binds (e.g. ``tcp://*:5557``).
+        topic: the first frame of every message.
+        hwm: the socket's send high-water mark (messages).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError(f"kv_events_config.endpoint must be a ZMQ endpoint such as tcp://*:5557, "
+                             f"got {self.endpoint!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError("kv_events_config.topic must be a string")
+        if isinstance(self.hwm, bool) or not isinstance(self.hwm, int) or self.hwm < 0:
+            raise ValueError(f"kv_events_config.hwm must be an integer >= 0, got {self.hwm!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVEventsConfig | None") -> "KVEventsConfig | None":
+        """From JSON text, a dict or as is. Raises ``ValueError`` (bad JSON, unknown key, bad value)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        ignored = ("buffer_steps", "max_queue_size")  # vLLM's replay buffer options (no replay socket here)
+        unknown = sorted(k for k in value if k not in names and k not in ignored)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        return cls(**{k: v for k, v in value.items() if k in names})
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
 
@@ -274,6 +331,7 @@ class CacheConfig:
             ``kv_offload_size`` bytes) instead of host RAM, and survives restarts.
         kv_transfer_config: the KV connector (:class:`KVTransferConfig`; given as its JSON text or a
             dict), or None: no blocks move between engines.
+        kv_events_config: KV events publishing (:class:`KVEventsConfig`, JSON text or a dict), or None.
     """
 
     block_size: int = 16
@@ -283,9 +341,11 @@ class CacheConfig:
     kv_offload_size: int | str = 0
     kv_offload_path: str | None = None
     kv_transfer_config: "str | dict | KVTransferConfig | None" = None
+    kv_events_config: "str | dict | KVEventsConfig | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
@@ -430,6 +490,11 @@ class EngineArgs:
                                              "KV connector as JSON (vLLM's flag), e.g. '{\"kv_connector\": "
                                              "\"ZmqConnector\", \"kv_role\": \"kv_both\"}': prefill/decode "
                                              "disaggregation behind vllm-router (docs/disaggregation.md)")
+    kv_events_config: str | None = _option(CacheConfig.kv_events_config,
+                                           "publish KV cache events as JSON (vLLM's flag), e.g. "
+                                           "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                           "\"endpoint\": \"tcp://*:5557\"}': BlockStored / BlockRemoved / "
+                                           "AllBlocksCleared over ZMQ PUB, msgpack (for KV-aware routers)")
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "continuous: rebuild the batch every step; static: admit a new batch only "
                                      "when one finishes", choices=SCHEDULING_POLICIES)

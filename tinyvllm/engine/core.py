@@ -104,6 +104,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload,
                                    connector=connector)
         self.kv_transfers_changed = False  # the last step completed a KV transfer (freed or landed blocks)
+        self.kv_event_publisher = None
+        if cc.kv_events_config is not None and cc.kv_events_config.enabled:
+            from tinyvllm.distributed.kv_events import ZmqEventPublisher
+
+            self.kv_event_publisher = ZmqEventPublisher(cc.kv_events_config)
+            self.scheduler.kv.block_pool.kv_events = []
         self.last_step_idle = False  # the last step ran nothing and changed nothing (waiting on transfers)
         # Grammars compile in a background thread; the tokenizer is loaded there at the first
         # constrained request (tests with a raw vocabulary replace the manager).
@@ -218,6 +224,7 @@ class EngineCore:
                     kv_transfer_params=req.kv_transfer_params_out,
                 ))
         self._flush_kv_offload()
+        self._publish_kv_events()
         t1 = time.perf_counter()
         block_map = b""
         if t1 - self._last_block_map >= BLOCK_MAP_INTERVAL_S or not self.scheduler.has_unfinished_requests():
@@ -229,6 +236,15 @@ class EngineCore:
             step_seconds=t1 - t0, token_budget=self.scheduler.config.max_num_batched_tokens,
             kv_block_map=block_map)
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """Publish the prefix cache's changes since the last call (``--kv-events-config``)."""
+        pool = self.scheduler.kv.block_pool
+        if self.kv_event_publisher is not None and pool.kv_events:
+            from tinyvllm.distributed.kv_events import to_events
+
+            raw, pool.kv_events = pool.kv_events, []
+            self.kv_event_publisher.publish(to_events(raw, self.scheduler.block_size))
 
     def _check_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar finished compiling become schedulable; a failed compile (the API
@@ -262,4 +278,6 @@ class EngineCore:
         return self.make_stats().as_dict()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        ok = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
