@@ -511,7 +511,7 @@ def _events(sub, until, timeout: float = 10.0) -> list:
 def test_kv_events_in_vllm_format_mirror_the_prefix_cache(tiny_pd):
     """--kv-events-config: every block registered in the prefix cache is a BlockStored with its chained
     hash, its parent's and its tokens; a block handed out again is a BlockRemoved; a reset is
-    AllBlocksCleared (vLLM's msgpack layout: tagged arrays in [ts, events, dp_rank])."""
+    AllBlocksCleared (the msgpack layout vllm-router decodes: maps tagged by "type" in [ts, events, dp_rank])."""
     from tinyvllm.config import EngineConfig
     from tinyvllm.engine.core import EngineCore
 
@@ -528,20 +528,24 @@ def test_kv_events_in_vllm_format_mirror_the_prefix_cache(tiny_pd):
         _add(core, "e1", prompt, 1)
         _run(core)
         ev = _events(sub, lambda e: len(e) >= 2)
-        stored = [e for e in ev if e[0] == "BlockStored"]
-        assert [e[3] for e in stored] == [prompt[0:4], prompt[4:8]]
-        assert stored[0][2] is None and stored[1][2] == stored[0][1][0] and stored[0][4] == 4
-        assert all(len(h) == 16 for e in stored for h in e[1])
+        stored = [e for e in ev if e["type"] == "BlockStored"]
+        assert [e["token_ids"] for e in stored] == [prompt[0:4], prompt[4:8]]
+        assert stored[0]["parent_block_hash"] is None
+        assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][0]
+        assert all(e["block_size"] == 4 and e["medium"] == "GPU" and e["lora_id"] is None and "lora_name" in e
+                   for e in stored)
+        assert all(len(h) == 32 for e in stored for h in e["block_hashes"])
         hashes = core.scheduler.kv.block_pool.cached_block_hash_to_block
-        assert {int.from_bytes(e[1][0], "big") for e in stored} == set(hashes)
+        assert {int.from_bytes(e["block_hashes"][0], "big") for e in stored} == set(hashes)
         # 12 blocks: a 45-token prompt (and its token) takes all 12, the two cached ones included
         _add(core, "e2", [60 + i for i in range(45)], 1)
         _run(core)
-        ev = _events(sub, lambda e: any(x[0] == "BlockRemoved" for x in e))
-        removed = [h for e in ev if e[0] == "BlockRemoved" for h in e[1]]
-        assert set(removed) == {e[1][0] for e in stored}
+        ev = _events(sub, lambda e: any(x["type"] == "BlockRemoved" for x in e))
+        removed = [h for e in ev if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+        assert set(removed) == {e["block_hashes"][0] for e in stored}
         assert core.reset_prefix_cache()
-        assert _events(sub, lambda e: any(x[0] == "AllBlocksCleared" for x in e))[-1] == ["AllBlocksCleared"]
+        ev = _events(sub, lambda e: any(x["type"] == "AllBlocksCleared" for x in e))
+        assert ev[-1] == {"type": "AllBlocksCleared"}
     finally:
         sub.close(0)
         core.kv_event_publisher.shutdown()

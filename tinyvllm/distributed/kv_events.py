@@ -4,12 +4,14 @@ each replica's prefix cache really holds.
 
 One message per engine step that changed the prefix cache: three frames, ``topic`` (bytes),
 the sequence number (8 bytes, big-endian) and a msgpack :class:`KVEventBatch` ``[ts, [events...],
-data_parallel_rank]``, each event a tagged array: ``["BlockStored", block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium]`` (a block registered in the prefix cache: its hash, its parent's,
-its tokens), ``["BlockRemoved", block_hashes, medium]`` (evicted: handed out again with its content gone),
-``["AllBlocksCleared"]`` (the prefix cache was reset). Block hashes are tinyvllm's chained 128-bit xxh3
-hashes as 16 big-endian bytes (vLLM's ``ExternalBlockHash`` is bytes or int; msgpack ints stop at 64 bits).
-``medium`` is ``"GPU"`` for the KV pool (vLLM's name for the device tier, whatever the device).
+data_parallel_rank]``, each event a map tagged by ``type``: ``{"type": "BlockStored", "block_hashes",
+"parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}`` (a block registered in
+the prefix cache: its hash, its parent's, its tokens), ``{"type": "BlockRemoved", "block_hashes", "medium"}``
+(evicted: handed out again with its content gone), ``{"type": "AllBlocksCleared"}`` (the prefix cache was
+reset): the layout vllm-router's ``kv_index`` decodes. Block hashes are tinyvllm's chained 128-bit xxh3
+hashes as 32 big-endian bytes (consumers expect vLLM's 32-byte ``sha256_cbor`` hashes; they are opaque
+ids there, tokens are matched by ``token_ids``). ``medium`` is ``"GPU"`` for the KV pool (vLLM's name for
+the device tier, the only one a router accepts).
 
 Source: vLLM ``vllm/distributed/kv_events.py`` (the structs and the ZMQ framing; read, not copied). The
 replay socket of vLLM's publisher is not implemented.
@@ -26,8 +28,8 @@ import zmq
 from tinyvllm.config import KVEventsConfig
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the events (tagged with the class name)."""
+class KVCacheEvent(msgspec.Struct, gc=False, tag=True, tag_field="type"):
+    """Base of the events: msgpack maps tagged ``"type": <class name>``."""
 
 
 class BlockStored(KVCacheEvent):
@@ -37,6 +39,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None = None
     medium: str | None = "GPU"
+    lora_name: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -55,7 +58,7 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 def _h(block_hash: int) -> bytes:
-    return block_hash.to_bytes(16, "big")
+    return block_hash.to_bytes(32, "big")  # consumers take 32-byte hashes (vLLM's sha256 ones)
 
 
 def to_events(raw: list[tuple[Any, ...]], block_size: int) -> list[KVCacheEvent]:
