@@ -68,6 +68,7 @@ class Router:
         for _ in range(5):
             self.port = _free_port()
             cmd = [ROUTER, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--prometheus-port", str(_free_port()),  # (its default, 29000, may be taken)
                    "--policy", "round_robin", "--worker-startup-check-interval", "1", *extra]
             for url in prefill:
                 cmd += ["--prefill", url]
