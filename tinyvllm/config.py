@@ -308,9 +308,11 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         ignored = ("buffer_steps", "max_queue_size")  # vLLM's replay buffer options (no replay socket here)
-        unknown = sorted(k for k in value if k not in names and k not in ignored)
+        unknown = sorted(k for k in value if k not in names and k not in ignored and k != "replay_endpoint")
         if unknown:
             raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        if value.get("replay_endpoint") is not None:
+            raise ValueError("kv_events_config.replay_endpoint: a replay socket is not supported (leave it null)")
         return cls(**{k: v for k, v in value.items() if k in names})
 
 
