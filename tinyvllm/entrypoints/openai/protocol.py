@@ -288,6 +288,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as enable_thinking (Qwen3's switch), as chat_template_kwargs would be.
+    enable_thinking: bool | None = None
     # OpenAI: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
