@@ -37,11 +37,13 @@ install-browser:
 		echo "could not install chromium: the dashboard's browser test will be skipped"; \
 	else echo "no /usr/bin/chromium and no root+apt: the dashboard's browser test will be skipped"; fi
 
+# The default tier: within 5 minutes of tests on a quiet 2-core machine; it ends with the 15 slowest
+# tests (--durations=15, also in pyproject's addopts). test-slow: the exhaustive sweeps and long runs.
 test: $(STAMP) install-browser
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow $(ARGS)
+	$(PY) -m pytest -q -m slow --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

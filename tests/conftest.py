@@ -18,6 +18,38 @@ def smol_llm():
 
 
 @pytest.fixture(scope="session")
+def smol_llm_fp32():
+    """The embedded SmolLM2-135M-Instruct in float32 (dequantized at load: ``quantization='auto'`` keeps the
+    exact dequantized path for float32), loaded once for the modules that compare against transformers."""
+    from tinyvllm import LLM
+
+    return LLM("SmolLM2-135M-Instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smol_fp32():
+    """transformers' LlamaForCausalLM loading the same GGUF (its own dequantizer), float32, in eval mode: the
+    reference of tests/test_real_model.py and tests/test_prompt_logprobs.py, loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tinyvllm.model.loader import _find_alias_gguf
+
+    gguf = _find_alias_gguf("SmolLM2-135M-Instruct")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """One real ``tinyvllm serve`` (SmolLM2, bf16; flags: ``server_utils.SHARED_SERVER_ARGS``) for every
+    module that can share it, started on first use and stopped at the end of the session."""
+    from server_utils import SHARED_SERVER_ARGS, running_server
+
+    yield from running_server(tmp_path_factory.mktemp("shared_server") / "server.log", SHARED_SERVER_ARGS)
+
+
+@pytest.fixture(scope="session")
 def make_smol_llm(smol_llm):
     """Factory for bf16 engines with other options, sharing the loaded weights."""
     from tinyvllm import LLM

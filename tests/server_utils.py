@@ -102,7 +102,7 @@ class Server:
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
-            time.sleep(0.3)
+            time.sleep(0.1)
 
     def state(self) -> dict[str, int]:
         r = httpx.get(self.base + "/debug/state", headers=self.headers, timeout=10)
@@ -130,9 +130,23 @@ class Server:
             os.kill(self.core_pid, signal.SIGKILL)
 
 
-# A small server with the Hermes tool-call parser (structured outputs, tools, the Messages API tests).
-TOOL_SERVER_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--kv-cache-memory", "128MiB",
-                    "--tool-call-parser", "hermes"]
+# The session's shared server (the ``shared_server`` fixture of tests/conftest.py): one ``tinyvllm serve``
+# for every module whose tests leave nothing behind that another test could see (test_server,
+# test_hardening, test_dashboard, test_structured_output, test_messages_api), started once instead of once
+# per module. Tests on it must not depend on a fresh server: they compare counters before and after, salt
+# or vary their prompts where a prefix-cache hit would change what they check, and wait until idle after
+# an abort. A test that needs other flags, or kills or restarts its server, starts one of its own.
+SHARED_MAX_MODEL_LEN = 1024
+SHARED_MAX_NUM_SEQS = 16
+SHARED_MAX_WAITING = 20
+SHARED_BODY_CAP = 8_000_000
+SHARED_SERVER_ARGS = ["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-seqs", str(SHARED_MAX_NUM_SEQS),
+                      "--max-waiting-requests", str(SHARED_MAX_WAITING), "--kv-cache-memory", "256MiB",
+                      "--max-request-body-bytes", str(SHARED_BODY_CAP), "--tool-call-parser", "hermes"]
+
+# A server with the Hermes tool-call parser (structured outputs, tools, the Messages API tests): the shared
+# server's flags, so a module that starts its own with these could use ``shared_server`` instead.
+TOOL_SERVER_ARGS = SHARED_SERVER_ARGS
 
 
 def running_server(log: Path, args: list[str]):

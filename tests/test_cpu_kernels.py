@@ -22,6 +22,19 @@ PATHS = ((["amx"] if KERN is not None and KERN.has_amx_attention() else [])
          + (["vector", "scalar"] if KERN is not None and KERN.vector_kernels_isa() != "none" else ["scalar"]))
 
 
+def covering(paths, cases, keep: int = 2) -> list:
+    """``pytest.param(path, *case)`` for every path and case. The default tier keeps ``keep`` cases per path,
+    rotating through ``cases`` so that every case runs on some path (and every path on ``keep`` cases); the
+    rest of the cross product is marked slow (``make test-slow``). Use with ``indirect=["path"]``."""
+    out, start = [], 0
+    for p in paths:
+        kept = {(start + i) % len(cases) for i in range(keep)}
+        start = (start + keep) % len(cases)
+        for i, case in enumerate(cases):
+            out.append(pytest.param(p, *case, marks=() if i in kept else pytest.mark.slow))
+    return out
+
+
 @pytest.fixture(params=PATHS)
 def path(request):
     """amx: the tiled attention on AMX tiles; vector: AVX-512 (tiled attention on vdpbf16ps for a bf16
@@ -94,9 +107,18 @@ def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0, k_scale=None):
 SEQS = [(0, 1), (14, 1), (15, 1), (16, 1), (99, 1), (0, 9), (13, 20), (40, 3), (0, 17)]
 
 
+# Head shapes (GQA 1:1 to 4:1; head sizes 16..128, 24 not a multiple of the tiled kernel's 32) x block
+# sizes 4 and 16. The default tier runs every shape on each path and dtype, at block sizes alternating by
+# shape and flipped from one path to the next (so each path sees both block sizes and every shape x block
+# size pair runs on some path); the whole cross product runs under `make test-slow`.
+ATTN_HEADS = [(4, 4, 16), (4, 2, 32), (9, 3, 64), (2, 1, 128), (6, 2, 24)]
+ATTN_CASES = [pytest.param(p, hq, hk, d, bs, marks=() if (i + j + b) % 2 == 0 else pytest.mark.slow)
+              for j, p in enumerate(PATHS) for i, (hq, hk, d) in enumerate(ATTN_HEADS)
+              for b, bs in enumerate((4, 16))]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hk,d", [(4, 4, 16), (4, 2, 32), (9, 3, 64), (2, 1, 128), (6, 2, 24)])
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("path,hq,hk,d,block_size", ATTN_CASES, indirect=["path"])
 def test_paged_attention_matches_reference(path, dtype, hq, hk, d, block_size):
     args, ref = make_batch(SEQS, hq, hk, d, block_size, dtype)
     out = KERN.paged_attention(*args, d ** -0.5)
@@ -127,7 +149,8 @@ def test_paged_attention_rows_are_batch_invariant(path, dtype):
 LONG = [(300, 1), (130, 70), (0, 150), (63, 2), (64, 1), (191, 40)]
 
 
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 96)])
+@pytest.mark.parametrize("path,hq,hk,d", covering(PATHS, [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 2, 96)]),
+                         indirect=["path"])
 def test_long_context_rows_are_invariant_and_match_reference(path, hq, hk, d):
     """Every row gives the same bits in the whole ragged batch, in its sequence's chunk alone, in
     pieces of the chunk cut inside KV tiles and row blocks, and alone as a decode row; and all
@@ -318,8 +341,10 @@ def gemm_path(request):
     KERN.set_amx_gemm(True)
 
 
-@pytest.mark.parametrize("n,k", GEMM_SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
+# Every shape runs in the default tier, with and without a bias alternating by shape; the other half of
+# the cross product runs under `make test-slow`.
+@pytest.mark.parametrize("n,k,bias", [pytest.param(n, k, bias, marks=() if (i + bias) % 2 == 0 else pytest.mark.slow)
+                                      for i, (n, k) in enumerate(GEMM_SHAPES) for bias in (False, True)])
 def test_gemm_bf16_matches_float_reference(n, k, bias, gemm_path):
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g).bfloat16()

@@ -22,10 +22,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import Server
 
 MODEL = "SmolLM2-135M-Instruct"
-START_TIMEOUT_S = 300
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -33,16 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
-                 ["--max-model-len", "1024", "--max-num-seqs", "16", "--kv-cache-memory", "64MiB"])
-    try:
-        srv.wait_healthy(START_TIMEOUT_S)
-    except RuntimeError as e:
-        srv.stop()
-        pytest.fail(str(e))
-    yield srv.base
-    srv.stop()
+def server(shared_server):
+    """The base URL of the session's shared server (tests/conftest.py): every test here salts or varies its
+    prompts, and compares counters before and after, so other modules' requests change nothing it checks."""
+    return shared_server.base
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +236,8 @@ def test_dashboard_updates_in_a_real_browser(server, client, tmp_path):
                 page.wait_for_function("[...document.querySelectorAll('#reqs td:nth-child(2)')]"
                                        ".some((td) => td.textContent === 'finished')", timeout=180000)
                 assert page.text_content("#ttft") != "- / - s"  # latency figures from finished requests
-                page.wait_for_timeout(1500)
+                if os.environ.get("TINYVLLM_UPDATE_SCREENSHOT"):
+                    page.wait_for_timeout(1500)  # the docs' picture: let the charts settle (a test needs no wait)
                 shot = tmp_path / "dashboard.png"
                 page.screenshot(path=str(shot), full_page=True)
             finally:

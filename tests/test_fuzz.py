@@ -5,7 +5,8 @@ of the schema is also sent values of another JSON type (strings, 0/1, 1.0), whic
 The schema is the app's own (``build_app(...).openapi()``, built over a stub engine at import: no server is
 needed to collect the tests); the calls go to a real ``tinyvllm serve`` (SmolLM2) with a small context, and
 the schema's token counts are capped so each generation stays short. Bounded: ``MAX_EXAMPLES`` per
-operation, no deadline (the machine is shared), both valid and invalid (negative) cases.
+operation, no deadline (the machine is shared), both valid and invalid (negative) cases: the default tier
+runs ``MAX_EXAMPLES`` per operation, ``make test-slow`` a longer run of ``SLOW_EXAMPLES`` per operation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from hypothesis import HealthCheck, Phase, settings
 
 from server_utils import Server
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 8  # per operation, in the default tier (plus the schema's explicit examples)
+SLOW_EXAMPLES = 60  # per operation, under `make test-slow`
 MAX_MODEL_LEN = 128
 TOKEN_CAP = 4  # max_tokens / max_completion_tokens / min_tokens / max_output_tokens in the fuzzed schema
 
@@ -59,11 +61,27 @@ def server(tmp_path_factory):
         srv.stop()
 
 
+def _fuzz_settings(max_examples: int):
+    return settings(max_examples=max_examples, deadline=None, phases=[Phase.explicit, Phase.generate],
+                    suppress_health_check=list(HealthCheck), database=None)
+
+
 @pytest.mark.timeout(900)
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck), database=None)
+@_fuzz_settings(MAX_EXAMPLES)
 def test_no_response_is_a_server_error(case, server):
+    _check_response(case, server)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+@schema.parametrize()
+@_fuzz_settings(SLOW_EXAMPLES)
+def test_no_response_is_a_server_error_long(case, server):
+    _check_response(case, server)
+
+
+def _check_response(case, server) -> None:
     response = case.call(base_url=server.base, timeout=120)
     assert response.status_code < 500, (f"{case.method} {case.path} -> {response.status_code}: "
                                         f"{response.text[:500]}\n{server.log_tail(2000)}")

@@ -4,7 +4,7 @@ fields, the one unhandled-exception handler, API keys and CORS. Round 2 (issue 4
 coercion of strings or 0/1 into booleans and numbers), tool messages without the id of an earlier call, and
 the size of client-given Prometheus label values.
 
-A real ``tinyvllm serve`` (SmolLM2, small context) for the request classes; the middleware (500 handler,
+The session's shared ``tinyvllm serve`` (SmolLM2; tests/conftest.py ``shared_server``) for the request classes; the middleware (500 handler,
 API key, CORS) also runs under a real uvicorn in a thread over a stub engine, where a route can be made to
 raise.
 """
@@ -21,22 +21,15 @@ import types
 import httpx
 import pytest
 
-from server_utils import Server, bound_socket
+from server_utils import SHARED_BODY_CAP, SHARED_MAX_MODEL_LEN, Server, bound_socket
 
-MAX_MODEL_LEN = 512
-BODY_CAP = 8_000_000
+MAX_MODEL_LEN = SHARED_MAX_MODEL_LEN
+BODY_CAP = SHARED_BODY_CAP  # the shared server's --max-request-body-bytes
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("hard") / "server.log",
-                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--kv-cache-memory", "64MiB",
-                  "--max-request-body-bytes", str(BODY_CAP)])
-    try:
-        srv.wait_healthy()
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_server):
+    return shared_server
 
 
 def _post(server: Server, path: str, body, **kw) -> httpx.Response:

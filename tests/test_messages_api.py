@@ -4,7 +4,7 @@ onto the chat path, so these tests check the translation: text, streaming (the s
 non-streamed one at temperature 0), tool use (the input validates against the tool's ``input_schema``), a
 tool_result round trip, stop sequences, count_tokens, and 400s in Anthropic's error shape.
 
-One server for the module; every generation is short.
+The session's shared server (tests/conftest.py ``shared_server``); every generation is short.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_utils import Server, TOOL_SERVER_ARGS, running_server
+from server_utils import Server
 
 MODEL = "SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
@@ -28,8 +28,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory.mktemp("server") / "server.log", TOOL_SERVER_ARGS)
+def server(shared_server):
+    return shared_server  # the session's (tests/conftest.py): its flags include the Hermes tool-call parser
 
 
 @pytest.fixture(scope="module")

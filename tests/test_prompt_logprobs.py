@@ -13,23 +13,14 @@ PROMPT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of 
 
 
 @pytest.fixture(scope="module")
-def fp32_llm():
-    from tinyvllm import LLM
-
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32")
-    yield llm
-    del llm
+def fp32_llm(smol_llm_fp32):
+    return smol_llm_fp32  # loaded once per session (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def hf_prompt_logprobs(fp32_llm):
+def hf_prompt_logprobs(fp32_llm, hf_smol_fp32):
     """transformers' log-softmax over the whole prompt: [P-1] logprob of each next prompt token, and top-3."""
-    from transformers import AutoModelForCausalLM
-
-    from tinyvllm.model.loader import _find_alias_gguf
-
-    gguf = _find_alias_gguf("SmolLM2-135M-Instruct")
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    hf = hf_smol_fp32
     ids = fp32_llm.get_tokenizer()(PROMPT)["input_ids"]
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)  # [P, V]

@@ -224,7 +224,7 @@ def test_native_greedy_is_batch_and_chunk_invariant(native_llm):
     assert together == alone
 
 
-def test_native_next_token_agrees_with_float32_model(native_llm):
+def test_native_next_token_agrees_with_float32_model(native_llm, smol_llm_fp32):
     """The native path's next token on the chat prompts is the dequantized float32 model's but for near
     ties, and its logprob is close. Bounds by arithmetic (measured on these 6 prompts with
     benchmarks/gguf_quality.py's capture):
@@ -238,13 +238,14 @@ def test_native_next_token_agrees_with_float32_model(native_llm):
     error below max_d cannot flip a wider gap). A kernel without the block minimum m, or with a wrong
     layout, is off by far more."""
     from conftest import CHAT_PROMPTS
-    from tinyvllm import LLM, SamplingParams
+    from tinyvllm import SamplingParams
     from tinyvllm.kernels.cpu import cpu_kernels
 
     int8 = gguf_quant.int8_activations(cpu_kernels())
     max_d, mean_d, flips = (0.5, 0.16, 2) if int8 else (0.25, 1.0, 2)
 
-    ref = LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none")
+    ref = smol_llm_fp32  # float32 dequantizes at load (quantization 'auto' = 'none' for float32)
+    assert ref.llm_engine.core.model.quantization != "gguf"
     sp = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
     ids = [native_llm.llm_engine.chat_prompt_ids([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     nat = native_llm.generate(_tok(ids), sp)

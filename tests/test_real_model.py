@@ -13,15 +13,9 @@ NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    """transformers' LlamaForCausalLM loading the same GGUF (its own dequantizer), float32."""
-    from transformers import AutoModelForCausalLM
-
-    from tinyvllm.model.loader import _find_alias_gguf
-
-    gguf = _find_alias_gguf("SmolLM2-135M-Instruct")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    return model.eval()
+def hf_reference(hf_smol_fp32):
+    """transformers' LlamaForCausalLM loading the same GGUF (its own dequantizer), float32 (tests/conftest.py)."""
+    return hf_smol_fp32
 
 
 def _hf_greedy(model, prompt_ids: list[int], n: int, topk: int = 5):
@@ -49,15 +43,12 @@ def hf_outputs(hf_reference, chat_ids):
     return [_hf_greedy(hf_reference, ids, NUM_TOKENS) for ids in chat_ids]
 
 
-def test_fp32_greedy_equals_transformers(chat_ids, hf_outputs, smol_llm):
-    from tinyvllm import LLM
-
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32")
+def test_fp32_greedy_equals_transformers(chat_ids, hf_outputs, smol_llm_fp32):
+    llm = smol_llm_fp32
     outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_ids],
                         SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True))
     for (ref_tokens, _), out in zip(hf_outputs, outs):
         assert out.outputs[0].token_ids == ref_tokens
-    del llm
 
 
 def test_bf16_logprobs_close_to_transformers(chat_ids, hf_outputs, smol_llm):

@@ -2,8 +2,9 @@
 (API process + EngineCore process) with the real SmolLM2-135M-Instruct in bfloat16,
 exercised with the official ``openai`` client and raw ``httpx``.
 
-One server is started for the whole module; its tests run in any order (each sets up what it needs).
-Signals and process deaths are tested on servers of their own (tests/test_faults.py).
+The session's shared server (tests/conftest.py ``shared_server``, also used by other modules); its tests run
+in any order (each sets up what it needs). Signals and process deaths are tested on servers of their own
+(tests/test_faults.py).
 """
 
 from __future__ import annotations
@@ -19,25 +20,18 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_utils import Server
+from server_utils import SHARED_MAX_MODEL_LEN, SHARED_MAX_NUM_SEQS, SHARED_MAX_WAITING, Server
 
 MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 1024
-MAX_NUM_SEQS = 16
-MAX_WAITING = 20
+MAX_MODEL_LEN = SHARED_MAX_MODEL_LEN
+MAX_NUM_SEQS = SHARED_MAX_NUM_SEQS
+MAX_WAITING = SHARED_MAX_WAITING
 BLOCK_SIZE = 16  # the default --block-size
-START_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server") / "server.log",
-                 ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
-                  "--max-waiting-requests", str(MAX_WAITING), "--kv-cache-memory", "256MiB"])
-    try:
-        yield srv.wait_healthy(START_TIMEOUT_S)
-    finally:
-        srv.stop()
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")

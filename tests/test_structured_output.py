@@ -2,7 +2,7 @@
 real SmolLM2-135M-Instruct, driven by the official ``openai`` client; outputs are checked with
 ``jsonschema`` against the schema asked for.
 
-One server for the module (greedy decoding unless a test says otherwise).
+The session's shared server (tests/conftest.py ``shared_server``; greedy decoding unless a test says otherwise).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-
-from server_utils import TOOL_SERVER_ARGS, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -39,8 +37,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    yield from running_server(tmp_path_factory.mktemp("server") / "server.log", TOOL_SERVER_ARGS)
+def server(shared_server):
+    return shared_server  # the session's (tests/conftest.py): its flags include the Hermes tool-call parser
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             the offload tier, and
         kv_offload_loads: ``(slot, block_id)`` copies back; the worker runs all stores, then all
             loads, before the forward (:mod:`tinyvllm.core.kv_offload`).
+        kv_connector_metadata: the KV connector's instructions to its worker half this step, encoded by its
+            scheduler half (:mod:`tinyvllm.distributed.kv_transfer`); empty when there is nothing to do.
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
@@ -94,6 +96,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_bitmask: bytes = b""
     kv_offload_stores: list[tuple[int, int, str]] = []
     kv_offload_loads: list[tuple[int, int]] = []
+    kv_connector_metadata: bytes = b""
 
     @property
     def is_empty(self) -> bool:

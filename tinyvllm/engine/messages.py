@@ -92,6 +92,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache: PrefixCacheReport | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..P-1, with the first output token
     num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: what a decode engine needs to pull this request's KV
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -35,6 +35,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         kv_offload_hit_tokens: prompt tokens served from the tier (part of ``prefix_cache_hits``).
         kv_offload_block_bytes: bytes of one block (all layers, K and V): blocks x this = bytes copied.
         kv_offload_load_seconds: time spent copying blocks back from the tier (seconds, float).
+    KV connector (P/D disaggregation; all zero without one):
+        kv_transfer_recv_requests / kv_transfer_recv_bytes / kv_transfer_recv_seconds: requests whose prompt KV
+            was pulled from another engine, the bytes, and the transfer time (seconds, float).
+        kv_transfer_failed_requests: pulls that failed (those requests recomputed their prompt).
+        kv_transfer_sent_requests: requests whose blocks another engine pulled (or released);
+            kv_transfer_expired_requests: kept blocks freed because nobody pulled them within the TTL.
     """
 
     num_running: int = 0
@@ -59,6 +65,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_offload_hit_tokens: int = 0
     kv_offload_block_bytes: int = 0
     kv_offload_load_seconds: float = 0.0
+    kv_transfer_recv_requests: int = 0
+    kv_transfer_recv_bytes: int = 0
+    kv_transfer_recv_seconds: float = 0.0
+    kv_transfer_failed_requests: int = 0
+    kv_transfer_sent_requests: int = 0
+    kv_transfer_expired_requests: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

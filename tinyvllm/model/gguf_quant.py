@@ -361,6 +361,11 @@ _LAYER_LINEARS = {
 }
 
 
+# llama.cpp's stacked expert tensors (qwen3moe) -> (per-expert Linear under layers.N.mlp.experts.E, part)
+_EXPERT_LINEARS = {"ffn_gate_exps.weight": ("gate_up_proj", "gate"), "ffn_up_exps.weight": ("gate_up_proj", "up"),
+                   "ffn_down_exps.weight": ("down_proj", None)}
+
+
 def _fuse(parts: list[QuantWeight]) -> QuantWeight | QuantParts:
     """Stack weights along N (Q/K/V, gate/up). Each part's N must be a multiple of 16 (the groups
     then concatenate). Consecutive parts of one format become one weight; mixed formats give a
@@ -390,9 +395,10 @@ def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
     """
     import gguf
 
-    from tinyvllm.model.loader import _unpermute_qk
+    from tinyvllm.model.loader import GGUF_PERMUTED_QK, _gguf_field, _unpermute_qk
 
     reader = gguf.GGUFReader(str(gguf_path))
+    permuted = _gguf_field(reader, "general.architecture", "llama") in GGUF_PERMUTED_QK
     parts: dict[int, dict[str, dict[str | None, QuantWeight]]] = {}
     head = embd = None
     unsupported: list[tuple[str, str]] = []
@@ -401,6 +407,21 @@ def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
         qtype = t.tensor_type.name
         is_head = t.name in ("output.weight", "token_embd.weight")
         rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else None
+        if rest in _EXPERT_LINEARS:  # stacked MoE experts [E, n, k]: each expert its own weight
+            if qtype in ("F32", "F16", "BF16"):
+                continue
+            if qtype not in SUPPORTED:
+                unsupported.append((t.name, qtype))
+                continue
+            quantized = True
+            k, n, n_exp = (int(x) for x in t.shape[:3])
+            raw = np.asarray(t.data).reshape(n_exp, n, -1)
+            idx = int(t.name.split(".")[1])
+            proj, kind = _EXPERT_LINEARS[rest]
+            for e in range(n_exp):
+                parts.setdefault(idx, {}).setdefault(f"mlp.experts.{e}.{proj}", {})[kind] = repack(
+                    raw[e], qtype, n, k, f"{t.name}[{e}]")
+            continue
         if not is_head and rest not in _LAYER_LINEARS:
             continue
         if qtype in ("F32", "F16", "BF16"):
@@ -420,14 +441,14 @@ def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
         idx = int(t.name.split(".")[1])
         attr, kind = _LAYER_LINEARS[rest]
         raw = t.data
-        if kind in ("q", "k"):
+        if kind in ("q", "k") and permuted:
             raw = _unpermute_qk(np.asarray(raw), n_head if kind == "q" else n_kv)
         parts.setdefault(idx, {}).setdefault(attr, {})[kind] = repack(raw, qtype, n, k, t.name)
     order = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
     weights: dict[str, QuantWeight | QuantParts] = {}
     for i, by in parts.items():
         for attr, d in by.items():
-            need = order.get(attr, (None,))
+            need = order.get(attr, ("gate", "up") if attr.endswith("gate_up_proj") else (None,))
             if all(x in d for x in need):
                 weights[f"layers.{i}.{attr}"] = _fuse([d[x] for x in need])
     tied = head is None

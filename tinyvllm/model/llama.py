@@ -1,4 +1,5 @@
-"""Llama architecture (Touvron et al. 2023) over a packed batch with a paged KV cache.
+"""Llama architecture (Touvron et al. 2023) over a packed batch with a paged KV cache; the base of the
+other families (:mod:`tinyvllm.model.registry`).
 
 All sequences' new tokens are flattened into one ``[num_tokens]`` tensor with
 their ``positions``; there is no padding. The model holds the weights and runs
@@ -6,21 +7,31 @@ one loop over its layers; the per-layer ops (RMSNorm + residual, RoPE + KV-cache
 write + paged attention, the SwiGLU activation) are those of the attention
 backend bound once with :meth:`LlamaForCausalLM.bind_attn_backend`
 (:mod:`tinyvllm.attention`). Weight loading is in :mod:`tinyvllm.model.weights`.
+
+A family that differs from Llama subclasses :class:`LlamaConfig` (its config fields) and
+:class:`LlamaForCausalLM`, overriding :meth:`LlamaForCausalLM.make_layer` (its layer's pieces),
+:meth:`LlamaForCausalLM.make_rotaries` (per-layer rotary tables), :meth:`LlamaForCausalLM.embed`,
+:meth:`LlamaForCausalLM.remap_weight` (its checkpoint's names and conventions) or, when the block's
+wiring differs (Gemma 3's four norms), :meth:`LlamaForCausalLM.forward`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.attention.base import AttentionBackend
-from tinyvllm.model.layers import RMSNorm, RotaryEmbedding
+from tinyvllm.model.layers import (SLAB_ROWS, Attention, Embedding, GatedMLP, Linear,  # noqa: F401 - re-exported
+                                   RMSNorm, RotaryEmbedding, batch_invariant_linear, rope_inv_freq)
+
+logger = logging.getLogger("tinyvllm")
 
 
 @dataclass
@@ -48,18 +59,15 @@ class LlamaConfig:
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         """Read an HF config dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x ``rope_parameters``).
 
+        Which class reads a config is the registry's choice (:func:`tinyvllm.model.registry.resolve_architecture`);
+        a family's subclass reads its extra fields in :meth:`extra_fields`.
+
         Raises:
-            ValueError: not a Llama-architecture config.
+            ValueError: an unsupported rope scaling type (named, with the supported ones).
         """
-        arch = d.get("model_type", "llama")
-        if arch not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in d.get("architectures", []):
-            raise ValueError(f"unsupported model_type {arch!r}: tinyvllm runs Llama-architecture models")
         heads = int(d["num_attention_heads"])
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = read_rope(d)
+        rope_inv_freq(2, rope_theta, rope_scaling)  # an unsupported rope type fails here, at load, in one line
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -77,11 +85,29 @@ class LlamaConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            **cls.extra_fields(d),
         )
+
+    @classmethod
+    def extra_fields(cls, d: dict[str, Any]) -> dict[str, Any]:
+        """A family's own fields read from the HF config dict ``d`` (none for Llama)."""
+        return {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "LlamaConfig":
         return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+
+    def cap_to_sliding_window(self, window: int | None, family: str) -> None:
+        """Lower ``max_position_embeddings`` to ``window`` where the model attends over a sliding window
+        shorter than its context, with a warning: the attention kernels attend over the whole context
+        (no window), which equals the window's attention as long as no sequence is longer than the
+        window (vLLM's early rule for Mistral). Never a silently wrong model: a longer
+        ``max_model_len`` is then refused at start (``EngineCore``)."""
+        if window is not None and 0 < int(window) < self.max_position_embeddings:
+            logger.warning("%s: sliding_window %d < max_position_embeddings %d; the attention kernels have no "
+                           "window, so max_model_len is capped at %d", family, int(window),
+                           self.max_position_embeddings, int(window))
+            self.max_position_embeddings = int(window)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token across all layers."""
@@ -89,132 +115,42 @@ class LlamaConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
-SLAB_ROWS = 16
-"""Rows per ``F.linear`` call in :func:`batch_invariant_linear`."""
+def read_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of an HF config dict (transformers 4.x ``rope_theta`` /
+    ``rope_scaling``, or 5.x ``rope_parameters``)."""
+    rope_params = d.get("rope_parameters") or {}
+    rope_theta = float(d.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = dict(rope_params)
+    return rope_theta, rope_scaling
 
 
-def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose row results do not depend on how many rows are in the batch.
+class LlamaAttention(Attention):
+    """Llama's attention: no q/k norm; ``attention_bias`` biases q, k, v and o."""
 
-    ``x``: [M, in]; ``weight``: [out, in]; returns [M, out] in ``x``'s dtype.
-
-    On the CPU the library GEMMs (oneDNN for bf16, MKL for fp32) pick their kernel by the shape, so a
-    row's result depends on M. Measured with torch 2.13 on an Intel Xeon with AMX: bf16 rows differ
-    between M = 5, 16, 32, 90 and 300 for every projection shape of SmolLM2, fp32 rows differ between
-    M = 64 and M = 300 at K = 1536; on an AMD EPYC only M == 1 (bf16) and M < 12 (fp32) differed.
-    What held on both: one fixed shape gives the same row whatever the row's position in it. So the
-    rows go through ``F.linear`` in slabs of exactly :data:`SLAB_ROWS` rows, the last one padded with
-    zero rows (tests/test_backend_exactness.py). This is the fallback path (no C++ build, no
-    AVX512-BF16, fp32 models); the packed bf16 GEMM of ``cpu_gemm.cpp`` is batch invariant by
-    construction. Other devices keep one ``F.linear`` call, padded to 2 rows.
-    """
-    m = x.shape[0]
-    if x.device.type != "cpu":
-        if m >= 2:
-            return F.linear(x, weight, bias)
-        return F.linear(torch.cat([x, x.new_zeros(2 - m, x.shape[1])]), weight, bias)[:m]
-    r = SLAB_ROWS
-    pad = (-m) % r
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    if x.shape[0] == r:
-        return F.linear(x, weight, bias)[:m]
-    return torch.cat([F.linear(x[i:i + r], weight, bias) for i in range(0, x.shape[0], r)])[:m]
+    def __init__(self, cfg: LlamaConfig, **kw: Any) -> None:
+        kw.setdefault("qkv_bias", cfg.attention_bias)
+        kw.setdefault("o_bias", cfg.attention_bias)
+        super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, **kw)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` whose rows do not depend on the batch.
-
-    On the CPU in bfloat16 with the C++ kernels, :meth:`pack` replaces the weight by the packed
-    layout of ``gemm_bf16`` (``cpu_gemm.cpp``: batch invariant by construction, weights streamed
-    once per call); otherwise :func:`batch_invariant_linear` (``F.linear`` over fixed-size row slabs).
-    """
-
-    packed: torch.Tensor | None = None
-    quant: Any = None  # a gguf_quant.QuantWeight (or QuantParts) once quantize() ran (native GGUF blocks)
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:  # see Embedding.reset_parameters
-            super().reset_parameters()
-
-    def pack(self, kern: Any) -> None:
-        """Pack the [out, in] bf16 weight for ``kern.gemm_bf16`` and free the unpacked copy."""
-        self.packed = kern.gemm_pack_bf16(self.weight.data.contiguous())
-        self._kern = kern
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-
-    def quantize(self, w: Any, kern: Any) -> None:
-        """Run on the repacked GGUF blocks ``w`` (:class:`tinyvllm.model.gguf_quant.QuantWeight`, [out, in])
-        with ``kern.gemm_gguf`` (``cpu_gemm_gguf.cpp``) and free the dequantized weight."""
-        self.quant = w
-        self._kern = kern
-        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
-        if self.quant is not None:
-            return self.quant.run(self._kern, x, self.bias)
-        return batch_invariant_linear(x, self.weight, self.bias)
-
-    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` with float32 outputs: on packed weights the GEMM's float32 sums as they are
-        (``gemm_bf16(..., out_float=True)``: not rounded to bf16 first, see :meth:`LlamaForCausalLM.compute_logits`);
-        elsewhere :meth:`forward`'s output converted."""
-        if self.packed is not None:
-            return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias, True)
-        if self.quant is not None:
-            return self.quant.run(self._kern, x, self.bias, True)
-        return self.forward(x).float()
-
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` that does not initialise a weight on the meta device.
-
-    :func:`~tinyvllm.model.weights.load_model` builds the model on ``meta`` and then assigns or loads
-    every tensor; "initialising" a meta tensor (``normal_``, ``uniform_``) runs a Python reference
-    implementation that imports ``torch._dynamo`` (1.5 s of every engine start, measured).
-    """
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
-
-
-class LlamaAttention(nn.Module):
-    """The attention block's weights; the computation is the backend's (:meth:`AttentionBackend.attention`)."""
-
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.scale = self.head_dim ** -0.5
-
-
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
     """SwiGLU feed-forward (Shazeer 2020) weights: ``down(silu(gate(x)) * up(x))``, gate and up fused."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
 
 class LlamaDecoderLayer(nn.Module):
     """A pre-norm block's weights (the loop is :meth:`LlamaForCausalLM.forward`)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, attn: nn.Module | None = None, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = attn if attn is not None else LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -223,13 +159,16 @@ class LlamaForCausalLM(nn.Module):
     Call :meth:`bind_attn_backend` once before :meth:`forward`.
     """
 
+    config_class = LlamaConfig
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotaries = nn.ModuleList(self.make_rotaries(cfg))
+        self.rotary = self.rotaries[0]
         self.lm_head_packed: torch.Tensor | None = None  # tied head packed for the CPU GEMM (pack_for_cpu)
         self.lm_head_quant: Any = None  # tied head on its GGUF blocks (gguf_quant.attach_gguf_quant)
         self.quantization = "none"  # "gguf" once gguf_quant.attach_gguf_quant ran
@@ -240,6 +179,29 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def make_layer(self, cfg: LlamaConfig, index: int) -> nn.Module:
+        """Layer ``index``'s modules (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``)."""
+        return LlamaDecoderLayer(cfg)
+
+    def make_rotaries(self, cfg: LlamaConfig) -> list[RotaryEmbedding]:
+        """The rotary tables the layers use (a layer's ``self_attn.rope_index`` picks one); Llama: one."""
+        return [RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)]
+
+    def reset_rotaries(self, device: str | torch.device) -> None:
+        """Recompute every rotary's ``inv_freq`` on ``device`` (those of a model built on ``meta``)."""
+        for r in self.rotaries:
+            r.inv_freq = r.compute_inv_freq().to(device)
+            r._cos = r._sin = r._cos_sin = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden] in the model dtype."""
+        return F.embedding(input_ids, self.embed_tokens.weight)
+
+    def remap_weight(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor as the HF Llama names :func:`tinyvllm.model.weights.load_weights` maps
+        (``model.layers.N.self_attn.q_proj.weight`` ...); a family rewrites its own names or values here."""
+        yield name, tensor
 
     @property
     def packed(self) -> bool:
@@ -265,11 +227,17 @@ class LlamaForCausalLM(nn.Module):
         elif self.packed:
             raise ValueError(f"the weights are packed for the C++ GEMM; the {backend.name!r} attention backend "
                              "cannot run them (load the model again)")
-        self._plan = [(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.self_attn.qkv_proj,
-                       layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
-                       layer.post_attention_layernorm.eps, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                      for layer in self.layers]
+        for mod in self.modules():
+            if mod is not self and hasattr(mod, "bind") and callable(mod.bind):
+                mod.bind(backend)
+        self._plan = self.make_plan()
         self.attn_backend = backend
+
+    def make_plan(self) -> list[tuple]:
+        """Per layer, the tensors and bound calls :meth:`forward` reads (no module dispatch on the hot path)."""
+        return [(layer.input_layernorm.weight, layer.input_layernorm.eps, layer.self_attn.forward_paged,
+                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, layer.mlp.forward_paged)
+                for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 md: Any) -> torch.Tensor:
@@ -289,18 +257,14 @@ class LlamaForCausalLM(nn.Module):
         be = self.attn_backend
         if be is None:
             raise RuntimeError("no attention backend bound: call bind_attn_backend(get_attn_backend(device, dtype))")
-        norm, attention, act = be.rms_norm, be.attention, be.silu_and_mul
-        cfg = self.config
-        hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        scale = d ** -0.5
-        rope = be.rope_inputs(self.rotary, positions)
-        x = F.embedding(input_ids, self.embed_tokens.weight)
+        norm = be.rms_norm
+        ropes = [be.rope_inputs(r, positions) for r in self.rotaries]
+        x = self.embed(input_ids)
         residual = None
-        for (ln1, eps1, qkv_proj, o_proj, ln2, eps2, gate_up_proj, down_proj), kv in zip(self._plan, kv_caches):
+        for (ln1, eps1, attn, ln2, eps2, mlp), kv in zip(self._plan, kv_caches):
             h, residual = norm(x, residual, ln1, eps1)
-            o = attention(qkv_proj.forward(h), kv, md, rope, hq, hk, d, scale)
-            h, residual = norm(o_proj.forward(o), residual, ln2, eps2)
-            x = down_proj.forward(act(gate_up_proj.forward(h)))
+            h, residual = norm(attn(h, kv, md, ropes), residual, ln2, eps2)
+            x = mlp(h)
         return norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def pack_for_cpu(self, kern: Any) -> bool:

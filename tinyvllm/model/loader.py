@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tinyvllm.model.errors import ModelNotFoundError, UnsupportedArchitectureError  # noqa: F401 - re-exported
+
 if TYPE_CHECKING:  # numpy is imported by the conversion only: resolving a cached model imports nothing heavy
     import numpy as np
 
@@ -38,8 +40,6 @@ _CONVERSION_MARKER = "tinyvllm_conversion.json"
 _CONVERSION_VERSION = 1
 
 
-class ModelNotFoundError(ValueError):
-    """The model could not be found or is malformed; the message says what was looked for."""
 
 
 @dataclass
@@ -104,6 +104,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
                 f"model directory {str(path)!r} has no config.json (expected a Hugging Face model "
                 "directory with config.json, *.safetensors and tokenizer files, or a single .gguf file)"
             )
+        _check_config(path)
         if load_format != "dummy" and not list(path.glob("*.safetensors")):
             raise ModelNotFoundError(f"model directory {str(path)!r} has no *.safetensors weight files "
                                      "(--load-format dummy runs random weights of config.json's shapes)")
@@ -114,6 +115,19 @@ def resolve_model(model: str, load_format: str = "auto") -> ResolvedModel:
     )
 
 
+def _check_config(model_dir: Path) -> None:
+    """:func:`tinyvllm.model.registry.check_config` of ``model_dir/config.json`` (an unreadable file is
+    left to the loader's own error)."""
+    from tinyvllm.model.registry import check_config
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(config, dict):
+        check_config(config)
+
+
 # ----------------------------------------------------------------------------- GGUF
 
 
@@ -122,6 +136,7 @@ _GGUF_NAME_MAP = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# llama.cpp's per-layer tensor names (``gguf`` package, ``MODEL_TENSORS``) -> HF names
 _GGUF_LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -132,16 +147,35 @@ _GGUF_LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # qwen2: QKV bias; qwen3 / qwen3moe / gemma3: per-head q/k norms; qwen3moe: router
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+# gemma3's four norms: llama.cpp's ``ffn_norm`` is its pre-feed-forward norm
+_GGUF_GEMMA3_LAYER_MAP = {
+    **_GGUF_LAYER_MAP,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}
+# GGUF architectures whose q/k rows llama.cpp's converter permuted (``LlamaModel.permute``)
+GGUF_PERMUTED_QK = ("llama", "smollm3")
 
 
-def _gguf_tensor_name(name: str) -> str | None:
+def _gguf_tensor_name(name: str, arch: str = "llama") -> str | None:
     if name in _GGUF_NAME_MAP:
         return _GGUF_NAME_MAP[name]
     if name.startswith("blk."):
         _, idx, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_MAP:
-            return f"model.layers.{idx}.{_GGUF_LAYER_MAP[rest]}"
+        layer_map = _GGUF_GEMMA3_LAYER_MAP if arch == "gemma3" else _GGUF_LAYER_MAP
+        if rest in layer_map:
+            return f"model.layers.{idx}.{layer_map[rest]}"
     return None
 
 
@@ -174,17 +208,21 @@ def _gguf_key(path: Path) -> str:
 
 
 def convert_gguf_cached(gguf_path: Path) -> Path:
-    """Convert a Llama GGUF file into a cached HF-style directory once; return its path.
+    """Convert a GGUF file (an architecture of :data:`tinyvllm.model.registry.GGUF_ARCHITECTURES`) into a
+    cached HF-style directory once; return its path.
 
-    The directory holds ``config.json``, ``model.safetensors`` (float32, Q/K
-    un-permuted), tokenizer files and chat template. Conversion writes into a
+    The directory holds ``config.json``, ``model.safetensors`` (float32, in HF's names and conventions:
+    Q/K rows un-permuted where llama.cpp permuted them, Gemma's norms back to ``w``, stacked experts
+    split), tokenizer files and chat template. Conversion writes into a
     temporary directory and renames it, so a crash never leaves a half cache.
 
     Raises:
-        ModelNotFoundError: the file is not a readable Llama GGUF.
+        ModelNotFoundError: the file is not a readable GGUF.
+        UnsupportedArchitectureError: an architecture tinyvllm does not run (named, with the supported ones).
     """
     target = cache_root() / _gguf_key(gguf_path)
     if (target / _CONVERSION_MARKER).is_file():
+        _check_config(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
@@ -207,6 +245,7 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _check_config(target)
     return target
 
 
@@ -214,6 +253,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     import numpy as np
     import torch
     from safetensors.torch import save_file
+
+    from tinyvllm.model.registry import GGUF_ARCHITECTURES
 
     try:
         import gguf
@@ -223,40 +264,53 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     except Exception as e:  # malformed file
         raise ModelNotFoundError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from e
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelNotFoundError(f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; only 'llama' is supported")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}, which tinyvllm does not run "
+            f"(supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))})")
 
     def f(key: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"llama.{key}", default)
+        return _gguf_field(reader, f"{arch}.{key}", default)
 
     n_head = int(f("attention.head_count"))
     n_kv = int(f("attention.head_count_kv", n_head))
     hidden = int(f("embedding_length"))
+    n_layers = int(f("block_count"))
+    head_dim = int(f("attention.key_length", f("rope.dimension_count", hidden // n_head)))
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _gguf_tensor_name(t.name)
+        shape = tuple(int(x) for x in reversed(list(t.shape)))
+        rest = t.name.split(".", 2)[2] if t.name.startswith("blk.") else None
+        if rest in _GGUF_EXPERTS:  # [E, out, in] stacked experts -> one HF tensor per expert
+            arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            idx = t.name.split(".")[1]
+            for e in range(shape[0]):
+                tensors[f"model.layers.{idx}.mlp.experts.{e}.{_GGUF_EXPERTS[rest]}.weight"] = torch.from_numpy(
+                    np.array(arr[e], dtype=np.float32, order="C", copy=True))
+            continue
+        name = _gguf_tensor_name(t.name, arch)
         if name is None:
             continue
-        arr = dequantize(t.data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(list(t.shape)))
-        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
-        if name.endswith("q_proj.weight"):
+        arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if arch in GGUF_PERMUTED_QK and name.endswith("q_proj.weight"):
             arr = _unpermute_qk(arr, n_head)
-        elif name.endswith("k_proj.weight"):
+        elif arch in GGUF_PERMUTED_QK and name.endswith("k_proj.weight"):
             arr = _unpermute_qk(arr, n_kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr - 1.0  # llama.cpp stores Gemma's (1 + w); an HF directory holds w
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
     rope_theta = float(f("rope.freq_base", 10000.0))
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": int(f("feed_forward_length")),
-        "num_hidden_layers": int(f("block_count")),
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
-        "head_dim": int(f("rope.dimension_count", hidden // n_head)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(f("context_length", 2048)),
         "rms_norm_eps": float(f("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": rope_theta,
@@ -267,10 +321,66 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         "eos_token_id": _gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
+    scaling = f("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": float(f("rope.scaling.factor", 1.0))}
+    config.update(_gguf_arch_config(arch, f, n_layers, hidden, n_head, head_dim))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    # Tokenizer + chat template, built by transformers from the GGUF metadata.
+    _save_gguf_tokenizer(gguf_path, out_dir)
+
+
+def _gguf_arch_config(arch: str, f: Any, n_layers: int, hidden: int, n_head: int, head_dim: int) -> dict[str, Any]:
+    """The config.json fields of an architecture beyond Llama's, from its GGUF metadata, with
+    llama.cpp's fixed values where the GGUF has no key (``llama-model.cpp``)."""
+    if arch == "smollm3":  # llama.cpp: n_no_rope_layer_step = 4
+        return {"no_rope_layer_interval": 4,
+                "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(n_layers)]}
+    if arch == "qwen2":
+        return {}
+    if arch == "qwen3moe":  # llama.cpp's qwen3moe always renormalises the top-k weights
+        return {"num_experts": int(f("expert_count")), "num_experts_per_tok": int(f("expert_used_count")),
+                "moe_intermediate_size": int(f("expert_feed_forward_length")), "norm_topk_prob": True,
+                "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if arch == "gemma3":  # llama.cpp: swa pattern 6, local rope base 10000, 27B scales queries by hidden/heads
+        pattern = f("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # per layer, True = sliding window (newer converters)
+            types = ["sliding_attention" if x else "full_attention" for x in pattern]
+        else:
+            types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(n_layers)]
+        return {"sliding_window": f("attention.sliding_window"), "layer_types": types,
+                "rope_local_base_freq": 10000.0,
+                "query_pre_attn_scalar": hidden // n_head if n_layers == 62 else head_dim,
+                "hidden_activation": "gelu_pytorch_tanh"}
+    return {}
+
+
+def _save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Tokenizer + chat template, built by transformers from the GGUF metadata. transformers reads the
+    tokenizer of the architectures it knows; for the others (e.g. ``smollm3``) the same metadata is read
+    through a copy whose ``general.architecture`` says ``llama`` (the tokenizer keys do not depend on it)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception:  # noqa: BLE001 - an architecture transformers' GGUF reader does not know
+        tok = _tokenizer_via_llama_header(gguf_path)
     tok.save_pretrained(str(out_dir))
+
+
+def _tokenizer_via_llama_header(gguf_path: Path) -> Any:
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    with tempfile.TemporaryDirectory() as tmp:
+        w = gguf.GGUFWriter(str(Path(tmp) / "tok.gguf"), "llama")
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer."):
+                vt = field.types[0]
+                w.add_key_value(key, field.contents(), vt, field.types[1] if vt == gguf.GGUFValueType.ARRAY else None)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return AutoTokenizer.from_pretrained(tmp, gguf_file="tok.gguf")

@@ -1,4 +1,5 @@
-"""Weight loading: build a :class:`~tinyvllm.model.llama.LlamaForCausalLM` from an HF-style directory
+"""Weight loading: build a model (the family :mod:`tinyvllm.model.registry` picks, a
+:class:`~tinyvllm.model.llama.LlamaForCausalLM` or subclass) from an HF-style directory
 (:func:`load_model`), copy HF-named tensors into its fused parameters (:func:`load_weights`), or fill
 it with seeded random weights (:func:`init_dummy_weights`, ``--load-format dummy``).
 
@@ -27,8 +28,7 @@ import torch
 
 from tinyvllm import envs
 from tinyvllm.config import LOAD_FORMATS
-from tinyvllm.model.layers import rope_inv_freq
-from tinyvllm.model.llama import LlamaConfig, LlamaForCausalLM
+from tinyvllm.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tinyvllm")
 PREPARED_VERSION = 1
@@ -56,7 +56,7 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         "q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
         "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
     }
-    for name, tensor in weights:
+    for name, tensor in (pair for n0, t0 in weights for pair in model.remap_weight(n0, t0)):
         if "rotary_emb.inv_freq" in name:
             continue
         n = name[len("model."):] if name.startswith("model.") else name
@@ -67,6 +67,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         if len(parts) >= 2 and parts[-2] in shard:
             fused, offset, size = shard[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
+            if fused == "gate_up_proj" and target in params:  # each MLP's own width (MoE experts: their own)
+                half = params[target].shape[0] // 2
+                offset, size = (0 if parts[-2] == "gate_proj" else half), half
         if target not in params:
             raise ValueError(f"unexpected weight {name!r} (no parameter {target!r})")
         p = params[target]
@@ -216,12 +219,13 @@ def _load_dense(model_dir: str | Path, dtype: torch.dtype, device: str | torch.d
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    from tinyvllm.model.registry import config_from_dir
+
     model_dir = Path(model_dir)
-    cfg = LlamaConfig.from_dir(model_dir)
+    model_cls, cfg = config_from_dir(model_dir)
     with torch.device("meta"):  # no allocation, no initialisation (see llama.Embedding)
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     model = model.to(dtype)  # on meta: free; parameters are then allocated (or assigned) in ``dtype``
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     files = sorted(model_dir.glob("*.safetensors"))
     prepared = None
     if load_format != "dummy" and sum(f.stat().st_size for f in files) >= PREPARED_MIN_BYTES:
@@ -231,7 +235,7 @@ def _load_dense(model_dir: str | Path, dtype: torch.dtype, device: str | torch.d
             if torch.device(device).type != "cpu":
                 tensors = {k: v.to(device) for k, v in tensors.items()}
             model.load_state_dict(tensors, strict=True, assign=True)
-            model.rotary.inv_freq = inv_freq
+            model.reset_rotaries(device)
             model.eval()
             return model
 
@@ -242,7 +246,7 @@ def _load_dense(model_dir: str | Path, dtype: torch.dtype, device: str | torch.d
                     yield key, fh.get_tensor(key)
 
     model = model.to_empty(device=device)
-    model.rotary.inv_freq = inv_freq  # buffers built on the meta device must be recomputed
+    model.reset_rotaries(device)  # buffers built on the meta device must be recomputed
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -101,7 +101,8 @@ class OpenAIServingChat(OpenAIServing):
                          use_tools: bool = False) -> Response:
         prompt_lps: dict[int, list] = {}
         try:
-            choices, cached = await collect([stream], params.n, tracker, prompt_lps)
+            kv_params: dict = {}
+            choices, cached = await collect([stream], params.n, tracker, prompt_lps, kv_params)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -126,6 +127,8 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": out_choices, "usage": usage}
         if params.prompt_logprobs is not None:  # vLLM's extension, at the top level for chat
             body["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(0) or [])
+        if kv_params:  # P/D disaggregation: what the decode engine needs (vLLM's field)
+            body["kv_transfer_params"] = kv_params
         return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],

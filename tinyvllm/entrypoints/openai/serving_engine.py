@@ -195,11 +195,13 @@ def _accumulate(ch: Choice, c: Any) -> None:
 
 
 async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | None = None,
-                  prompt_logprobs: dict[int, list] | None = None) -> tuple[dict[int, Choice], int]:
+                  prompt_logprobs: dict[int, list] | None = None,
+                  kv_transfer_params: dict | None = None) -> tuple[dict[int, Choice], int]:
     """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
     returns them and the prompt tokens served from the prefix cache. Aborts the streams when done.
     ``usage`` (if given) observes every output (KV cost, prefix-cache report); ``prompt_logprobs`` (if
-    given) is filled with prompt index -> the request's prompt logprobs."""
+    given) is filled with prompt index -> the request's prompt logprobs; ``kv_transfer_params`` (if given)
+    with the engine's ``kv_transfer_params`` for the response (P/D disaggregation)."""
     choices = {i: Choice() for i in range(len(streams) * n)}
     cached = [0] * len(streams)
     try:
@@ -210,6 +212,8 @@ async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | No
                     usage.observe(pi, out)
                 if prompt_logprobs is not None and out.prompt_logprobs is not None:
                     prompt_logprobs[pi] = out.prompt_logprobs
+                if kv_transfer_params is not None and out.kv_transfer_params:
+                    kv_transfer_params.update(out.kv_transfer_params)
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
