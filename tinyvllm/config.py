@@ -24,6 +24,8 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATION_MODES = ("auto", "gguf", "none")
 SCHEDULING_POLICIES = ("continuous", "static")
+# --kv-cache-dtype (vLLM's flag and names; int8 is tinyvllm's; fp8 = fp8_e4m3): tinyvllm.attention.kv_quant
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 _DTYPES = {  # name -> attribute of torch
     "float32": "float32",
@@ -334,6 +336,9 @@ class CacheConfig:
         kv_transfer_config: the KV connector (:class:`KVTransferConfig`; given as its JSON text or a
             dict), or None: no blocks move between engines.
         kv_events_config: KV events publishing (:class:`KVEventsConfig`, JSON text or a dict), or None.
+        kv_cache_dtype: ``auto`` (the model dtype), ``bfloat16``, ``int8`` or ``fp8`` (= ``fp8_e4m3``):
+            the KV cache's element type, vLLM's flag (docs/kv-cache-dtype.md). ``int8``/``fp8`` store one
+            byte per value plus a bfloat16 scale per (token, KV head): ~1.94x the tokens per GiB.
     """
 
     block_size: int = 16
@@ -344,10 +349,13 @@ class CacheConfig:
     kv_offload_path: str | None = None
     kv_transfer_config: "str | dict | KVTransferConfig | None" = None
     kv_events_config: "str | dict | KVEventsConfig | None" = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        if str(self.kv_cache_dtype).lower() not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
@@ -497,6 +505,10 @@ class EngineArgs:
                                            "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                                            "\"endpoint\": \"tcp://*:5557\"}': BlockStored / BlockRemoved / "
                                            "AllBlocksCleared over ZMQ PUB, msgpack (for KV-aware routers)")
+    kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype,
+                                  "KV cache element type: auto (the model dtype), bfloat16, int8 or fp8 (= fp8_e4m3); "
+                                  "int8/fp8 hold ~1.94x the tokens (docs/kv-cache-dtype.md)",
+                                  choices=KV_CACHE_DTYPES)
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "continuous: rebuild the batch every step; static: admit a new batch only "
                                      "when one finishes", choices=SCHEDULING_POLICIES)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyvllm.attention.base import AttentionBackend, paged_slots
+from tinyvllm.attention import kv_quant
 
 
 @dataclass
@@ -47,10 +48,20 @@ class TorchAttentionMetadata:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values [T, Hk, D] into ``kv_cache`` [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` [T]."""
+    """Store new keys/values [T, Hk, D] into ``kv_cache`` [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` [T].
+    An int8/fp8 cache ([..., D + 2]) gets the rows quantized from their own dtype (kv_quant.quantize)."""
     hk, d = kv_cache.shape[-2], kv_cache.shape[-1]
+    kind = kv_quant.quantization_of(kv_cache)
+    if kind is not None:
+        k, v = kv_quant.quantize(k, kind, k.dtype), kv_quant.quantize(v, kind, v.dtype)
     kv_cache[0].view(-1, hk, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, hk, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _rows(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``cache[idx]`` of a ``[slots, Hk, D(+2)]`` cache view, dequantized to float32 if it is int8/fp8."""
+    r = cache[idx]
+    return r if kv_quant.quantization_of(cache) is None else kv_quant.dequantize(r)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -88,21 +99,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     hk = k.shape[1]
     g = hq // hk
     write_kv(kv_cache, k, v, md.slot_mapping)
-    kc = kv_cache[0].view(-1, hk, d)
-    vc = kv_cache[1].view(-1, hk, d)
+    kc = kv_cache[0].view(-1, hk, kv_cache.shape[-1])
+    vc = kv_cache[1].view(-1, hk, kv_cache.shape[-1])
     out = torch.empty(T, hq, d, dtype=q.dtype, device=q.device)
     if md.decode_seq_ids:
         qd = q.index_select(0, md.decode_token_idx).reshape(-1, 1, hk, g, d)
-        kd = kc[md.decode_slots]  # [Sd, L, Hk, D]
-        vd = vc[md.decode_slots]
+        kd = _rows(kc, md.decode_slots)  # [Sd, L, Hk, D]
+        vd = _rows(vc, md.decode_slots)
         o = _attend(qd, kd, vd, md.decode_mask[:, None, :], scale)
         out.index_copy_(0, md.decode_token_idx, o.reshape(-1, hq, d).to(q.dtype))
     for j, i in enumerate(md.prefill_seq_ids):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
         ql, sl = end - start, md.seq_lens[i]
         slots = md.prefill_slots[j]
-        kp = kc[slots][None]
-        vp = vc[slots][None]
+        kp = _rows(kc, slots)[None]
+        vp = _rows(vc, slots)[None]
         qpos = torch.arange(sl - ql, sl, device=q.device)
         mask = (torch.arange(sl, device=q.device)[None, :] <= qpos[:, None])[None]
         o = _attend(q[start:end].reshape(1, ql, hk, g, d), kp, vp, mask, scale)

@@ -30,6 +30,8 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     p.add_argument("--num-iters", type=int, default=5, help="timed steps (after one warm-up step)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "int8", "fp8", "fp8_e4m3"),
+                   help="KV cache element type (auto = bfloat16; int8/fp8: quantized, docs/kv-cache-dtype.md)")
     p.add_argument("--result-file", default=None, help="write the result as JSON here")
 
 
@@ -49,7 +51,8 @@ def kv_bytes(context: int, chunk: int, batch: int, num_kv_heads: int, head_dim: 
 
 
 def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int, batch: int = 1,
-                block_size: int = 16, num_iters: int = 5, seed: int = 0) -> dict[str, Any]:
+                block_size: int = 16, num_iters: int = 5, seed: int = 0, kv_cache_dtype: str = "auto"
+                ) -> dict[str, Any]:
     """Time ``num_iters`` steps (after a warm-up) of ``model`` bound to the C++ ``backend``.
 
     Returns:
@@ -57,15 +60,25 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
         ``rope_cache_attention`` per step), ``attention_gflops``, ``kernel`` (amx, avx512-bf16 or
         row), ``ceiling_gflops`` (that kernel's dot-product loop, measured in this run; both loops'
         in ``amx_ceiling_gflops`` / ``dpbf16_ceiling_gflops``), ``attention_fraction_of_ceiling``,
-        ``kv_gb_per_s`` and the shape.
+        ``kv_gb_per_s`` and the shape; ``kv_cache_dtype`` and, measured in this run, the int8 dot-product
+        ceilings ``vnni_ceiling_gflops`` (VPDPBUSD) and ``amx_int8_ceiling_gflops`` (TDPBSSD; 0 where
+        absent) that an int8 Q K^T could reach (GOP/s, 2 per multiply-add).
     """
     import torch
 
+    from tinyvllm.attention import kv_quant
+
+    kind = kv_quant.canonical_kv_cache_dtype(kv_cache_dtype)
+    kind = "bfloat16" if kind == "auto" else kind
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     nb = (context + chunk + block_size - 1) // block_size
-    kv = [torch.randn(2, batch * nb, block_size, cfg.num_key_value_heads, cfg.head_dim, generator=g
-                      ).to(torch.bfloat16) for _ in range(cfg.num_hidden_layers)]
+
+    def layer_cache() -> torch.Tensor:
+        x = torch.randn(2, batch * nb, block_size, cfg.num_key_value_heads, cfg.head_dim, generator=g)
+        return x.to(torch.bfloat16) if kind == "bfloat16" else kv_quant.quantize(x, kind, torch.bfloat16)
+
+    kv = [layer_cache() for _ in range(cfg.num_hidden_layers)]
     tables = [list(range(i * nb, (i + 1) * nb)) for i in range(batch)]
     attn_s = [0.0]
     inner = backend._rope_cache_attention
@@ -103,8 +116,14 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
     ceiling = amx_ceiling if amx else dpbf16
     flops = attention_flops(context, chunk, batch, cfg.num_attention_heads, cfg.head_dim, cfg.num_hidden_layers)
     nbytes = kv_bytes(context, chunk, batch, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers)
+    if kind != "bfloat16":  # one byte per value + the 2-byte scale per (token, head) row
+        nbytes = nbytes * (cfg.head_dim + kv_quant.SCALE_BYTES) // (2 * cfg.head_dim)
     attn = statistics.median(attns)
+    vnni = max(kernels.int8_dot_ceiling(20000) for _ in range(3)) if hasattr(kernels, "int8_dot_ceiling") else 0.0
+    amx8 = (max(kernels.amx_int8_dot_ceiling(5000) for _ in range(3))
+            if hasattr(kernels, "amx_int8_dot_ceiling") else 0.0)
     return {
+        "kv_cache_dtype": kind, "vnni_ceiling_gflops": vnni / 1e9, "amx_int8_ceiling_gflops": amx8 / 1e9,
         "context": context, "chunk": chunk, "batch": batch, "block_size": block_size,
         "threads": torch.get_num_threads(), "num_iters": num_iters,
         "step_s": statistics.median(steps), "step_min_s": min(steps), "attention_s": attn,
@@ -133,14 +152,18 @@ def main_prefill(args: argparse.Namespace) -> dict[str, Any]:
     model = load_model(resolve_model(args.model).model_dir, torch.bfloat16)
     backend = get_attn_backend("cpu", torch.bfloat16)
     model.bind_attn_backend(backend)
-    res = run_prefill(model, backend, kernels, args.context, args.chunk, args.batch, args.block_size, args.num_iters)
+    res = run_prefill(model, backend, kernels, args.context, args.chunk, args.batch, args.block_size, args.num_iters,
+                      kv_cache_dtype=args.kv_cache_dtype)
     res["model"] = args.model
-    print(f"{'kernel':>11} {'batch':>5} {'context':>7} {'chunk':>5} {'thr':>3} {'step ms':>8} {'attn ms':>8} "
-          f"{'attn GFLOP/s':>12} {'ceiling':>8} {'% ceil':>6} {'KV GB/s':>8}")
-    print(f"{res['kernel']:>11} {res['batch']:>5} {res['context']:>7} {res['chunk']:>5} {res['threads']:>3} "
-          f"{res['step_s'] * 1e3:>8.1f} "
+    print(f"{'kernel':>11} {'KV':>8} {'batch':>5} {'context':>7} {'chunk':>5} {'thr':>3} {'step ms':>8} {'attn ms':>8} "
+          f"{'attn GFLOP/s':>12} {'ceiling':>8} {'% ceil':>6} {'KV GB/s':>8} {'int8 VNNI':>9} {'AMX int8':>8}")
+    print(f"{res['kernel']:>11} {res['kv_cache_dtype']:>8} {res['batch']:>5} {res['context']:>7} {res['chunk']:>5} "
+          f"{res['threads']:>3} {res['step_s'] * 1e3:>8.1f} "
           f"{res['attention_s'] * 1e3:>8.1f} {res['attention_gflops']:>12.1f} {res['ceiling_gflops']:>8.1f} "
-          f"{100 * res['attention_fraction_of_ceiling']:>6.1f} {res['kv_gb_per_s']:>8.2f}")
+          f"{100 * res['attention_fraction_of_ceiling']:>6.1f} {res['kv_gb_per_s']:>8.2f} "
+          f"{res['vnni_ceiling_gflops']:>9.1f} {res['amx_int8_ceiling_gflops']:>8.1f}")
+    print("(ceilings in GFLOP/s of the kernels' dot-product loops, measured now: 'ceiling' the bf16 one the "
+          "attention runs on; int8 VNNI / AMX int8: what an int8 Q K^T could reach)")
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(res, indent=2))
     return res

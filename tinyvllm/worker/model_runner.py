@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyvllm import envs
+from tinyvllm.attention.kv_quant import QUANTIZED, canonical_kv_cache_dtype, kv_storage
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -67,6 +68,24 @@ class CachedRequestState:
         self.output_token_ids.append(token_id)
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str) -> str:
+    """The canonical ``--kv-cache-dtype`` (``auto`` -> the model dtype's name) for a model of ``dtype`` on
+    the attention backend named ``backend``.
+
+    Raises:
+        ValueError: an unknown value, or one this backend cannot run (one line, naming the flag).
+    """
+    kind = canonical_kv_cache_dtype(kv_cache_dtype)
+    if kind == "auto":
+        return "bfloat16" if dtype == torch.bfloat16 else "auto"
+    if kind == "bfloat16" and dtype != torch.bfloat16:
+        raise ValueError(f"kv_cache_dtype bfloat16 needs dtype bfloat16 (the model runs in {dtype}; use auto)")
+    if kind in QUANTIZED and backend == "triton":
+        raise ValueError(f"kv_cache_dtype {kind} is not supported by the Triton attention kernels (CUDA); "
+                         f"it runs on the CPU backends (cpu, torch)")
+    return kind
+
+
 class ModelRunner:
     """Owns the model weights, the paged KV cache tensors (on ``device``) and per-request sampling state.
 
@@ -77,7 +96,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", *, max_num_seqs: int = 256, max_model_len: int | None = None,
-                 enforce_eager: bool = True) -> None:
+                 enforce_eager: bool = True, kv_cache_dtype: str = "auto") -> None:
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -89,16 +108,20 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.attn_backend = get_attn_backend(self.device, dtype)  # chosen once; the model runs its ops
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, dtype, self.attn_backend.name)
         t0, packed = time.monotonic(), getattr(model, "packed", False)
         model.bind_attn_backend(self.attn_backend)
         if getattr(model, "packed", False) and not packed:
             logger.info("packed the linear weights for the %s backend's GEMM in %.1fs", self.attn_backend.name,
                         time.monotonic() - t0)
-        # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
+        # One [2, num_blocks, block_size, Hk, D] tensor per layer ([..., D + 2] one-byte elements for an
+        # int8/fp8 cache: tinyvllm.attention.kv_quant). On the CPU torch.empty leaves pages
         # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros
+        kv_elem, kv_extra = kv_storage(self.kv_cache_dtype, dtype)
         self.kv_caches = [
-            alloc(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=self.device)
+            alloc(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim + kv_extra, dtype=kv_elem,
+                  device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler()

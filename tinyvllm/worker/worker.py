@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tinyvllm import envs
+from tinyvllm.attention.kv_quant import QUANTIZED, canonical_kv_cache_dtype, kv_bytes_per_token
 from tinyvllm.config import EngineConfig
 from tinyvllm.model.weights import load_model
 from tinyvllm.outputs import ModelRunnerOutput
@@ -81,15 +82,18 @@ class Worker:
 
     def model_info(self) -> ModelInfo:
         cfg = self.model.config
-        return ModelInfo(cfg.vocab_size, cfg.max_position_embeddings, cfg.kv_bytes_per_token(self.dtype),
-                         getattr(cfg, "eos_token_id", None))
+        kind = canonical_kv_cache_dtype(self.config.cache_config.kv_cache_dtype)
+        per_token = kv_bytes_per_token(kind, self.dtype, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       cfg.head_dim)
+        return ModelInfo(cfg.vocab_size, cfg.max_position_embeddings, per_token, getattr(cfg, "eos_token_id", None))
 
     def initialize_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate ``num_blocks`` KV blocks per layer and build the model runner (CUDA graphs captured here)."""
         cc, sc = self.config.cache_config, self.config.scheduler_config
         self.model_runner = ModelRunner(self.model, num_blocks, cc.block_size, self.dtype, self.device,
                                         max_num_seqs=sc.max_num_seqs, max_model_len=max_model_len,
-                                        enforce_eager=self.config.model_config.enforce_eager)
+                                        enforce_eager=self.config.model_config.enforce_eager,
+                                        kv_cache_dtype=cc.kv_cache_dtype)
 
     def initialize_kv_offload(self, num_slots: int, path: str | None = None) -> list[tuple[int, int]]:
         """Create the KV offload tier (``num_slots`` blocks; in host RAM, or in a file under ``path``) and
@@ -108,15 +112,17 @@ class Worker:
         kv0 = runner.kv_caches[0]
         slot_shape = (len(runner.kv_caches), 2, *kv0.shape[2:])
         if path is None:
-            tier = HostKVTier(num_slots, slot_shape, self.dtype, pin_memory=self.device.type == "cuda")
+            tier = HostKVTier(num_slots, slot_shape, kv0.dtype, pin_memory=self.device.type == "cuda")
         else:
             mc = self.config.model_config
             extra = {"load_format": mc.load_format, "seed": mc.seed} if mc.load_format == "dummy" else {}
             if getattr(self.model, "quantization", "none") != "none":  # native GGUF: other KV values
                 extra["quantization"] = self.model.quantization
-            fp = make_fingerprint(self.model_dir, self.dtype, runner.block_size, cfg.num_hidden_layers,
+            if runner.kv_cache_dtype in QUANTIZED:  # int8/fp8 blocks (scales inside): other bytes per block
+                extra["kv_cache_dtype"] = runner.kv_cache_dtype
+            fp = make_fingerprint(self.model_dir, kv0.dtype, runner.block_size, cfg.num_hidden_layers,
                                   int(kv0.shape[3]), int(kv0.shape[4]), extra)
-            tier = DiskKVTier(path, num_slots, slot_shape, self.dtype, fp)
+            tier = DiskKVTier(path, num_slots, slot_shape, kv0.dtype, fp)
         runner.kv_offload = tier
         return tier.entries()
 

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <cmath>
 #include <algorithm>
 #include <atomic>
@@ -154,6 +155,109 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
           const C* vrow = vp + (slot * Hk + hk) * D;
           const float p = s[j];
           for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vrow[d]);
+        }
+        O* orow = op + (t * Hq + hk * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<O>(a[d] * inv);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- quantized KV cache (issue 39)
+// --kv-cache-dtype int8 / fp8 (tinyvllm/attention/kv_quant.py has the format and the reference): a
+// layer's cache is [2, num_blocks, block_size, Hk, D + 2] bytes; each (token, KV head) row is its D
+// values (int8, or e4m3 bits) and then its own bfloat16 scale, so a row's values depend only on that
+// token (the invariance of the bf16 cache holds). Quantize: s = bf16(max|x| / qmax) (qmax 127 or 448),
+// q = clamp(round_half_even(x / s)) or e4m3(clamp(x / s, +-448)); dequantize: float(q) * float(s),
+// exact in float32.
+enum KvKind : int { kKvBf16 = 0, kKvInt8 = 1, kKvFp8 = 2 };
+
+inline float row_scale(const uint8_t* row, int64_t D) {
+  uint16_t b;
+  std::memcpy(&b, row + D, sizeof(b));
+  return to_f(c10::BFloat16(b, c10::BFloat16::from_bits()));
+}
+
+inline float fp8_to_f(uint8_t b) { return static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits())); }
+
+template <int Kind>
+inline void dequant_row(const uint8_t* row, int64_t D, float* out) {
+  const float s = row_scale(row, D);
+  for (int64_t i = 0; i < D; ++i)
+    out[i] = (Kind == kKvInt8 ? static_cast<float>(static_cast<int8_t>(row[i])) : fp8_to_f(row[i])) * s;
+}
+
+// x: D values already rounded to the model dtype (what a bf16 cache would store).
+template <int Kind>
+inline void quantize_row(const float* x, int64_t D, uint8_t* out) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const c10::BFloat16 sb(amax / (Kind == kKvInt8 ? 127.0f : 448.0f));  // rounds to nearest even
+  const float s = to_f(sb);
+  for (int64_t i = 0; i < D; ++i) {
+    if (!(s > 0.0f)) { out[i] = 0; continue; }
+    const float r = x[i] / s;
+    if constexpr (Kind == kKvInt8) {
+      out[i] = static_cast<uint8_t>(static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(r)))));
+    } else {
+      out[i] = c10::Float8_e4m3fn(std::min(448.0f, std::max(-448.0f, r))).x;
+    }
+  }
+  std::memcpy(out + D, &sb.x, sizeof(sb.x));
+}
+
+// The portable attention over a quantized cache (CPUs without AVX512-BF16, float32 models, and
+// set_vector_kernels(false)): each work item dequantizes its context's K and V rows to float32
+// (exactly) and runs attention_scalar's arithmetic on them.
+template <int Kind, typename O>
+void attention_scalar_q(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                        const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+  const int64_t num_tokens = q.size(0), Hq = q.size(1), D = q.size(2), RD = D + 2;
+  const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
+  const int64_t G = Hq / Hk;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* kp = static_cast<const uint8_t*>(key_cache.data_ptr());
+  const uint8_t* vp = static_cast<const uint8_t*>(value_cache.data_ptr());
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* seqp = token_seq.data_ptr<int64_t>();
+  const int64_t* posp = token_pos.data_ptr<int64_t>();
+  O* op = out.data_ptr<O>();
+  const float fscale = static_cast<float>(scale);
+
+  tv_pool::parallel_for(0, num_tokens * Hk, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kf, vf;
+    std::vector<float> acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hk, hk = item % Hk;
+      const int64_t ctx = posp[t] + 1;
+      const int64_t* bt = btp + seqp[t] * max_blocks;
+      scores.resize(G * ctx);
+      kf.resize(ctx * D);
+      vf.resize(ctx * D);
+      for (int64_t j = 0; j < ctx; ++j) {
+        const int64_t slot = bt[j / bs] * bs + (j % bs);
+        dequant_row<Kind>(kp + (slot * Hk + hk) * RD, D, kf.data() + j * D);
+        dequant_row<Kind>(vp + (slot * Hk + hk) * RD, D, vf.data() + j * D);
+      }
+      for (int64_t j = 0; j < ctx; ++j)
+        for (int64_t g = 0; g < G; ++g)
+          scores[g * ctx + j] = dot(qp + (t * Hq + hk * G + g) * D, kf.data() + j * D, D) * fscale;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * ctx;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < ctx; ++j) m = sc[j] > m ? sc[j] : m;
+        for (int64_t j = 0; j < ctx; ++j) sc[j] = exp_nonpos(sc[j] - m);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < ctx; ++j) sum += sc[j];
+        const float inv = 1.0f / sum;
+        float* a = acc.data() + g * D;
+        for (int64_t j = 0; j < ctx; ++j) {
+          const float pj = sc[j];
+          const float* vrow = vf.data() + j * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += pj * vrow[d];
         }
         O* orow = op + (t * Hq + hk * G + g) * D;
         for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<O>(a[d] * inv);
@@ -510,33 +614,76 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
+// 32 values of a quantized cache row (dims d..d+31) as 32 bf16 in dim order (the bytes a bf16 row
+// would hold there), each times `scale` when kScale (else the raw int8 / e4m3 value, exact in bf16).
+// int8: sign-extended and converted; e4m3: its bits moved into a binary16 (sign to bit 15, exponent and
+// mantissa to bits 7-13: binary16 has the larger exponent bias, 15 against 7, and the same subnormal
+// rule) and converted, times 2^8: exact for every finite e4m3 value, subnormals included.
+template <int Kind, bool kScale>
+inline __m512i quant_bf16x32(const uint8_t* row, int d, __m512 scale) {
+  __m512 f[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d + 16 * h));
+    if constexpr (Kind == kKvInt8) {
+      f[h] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    } else {
+      const __m256i w = _mm256_cvtepu8_epi16(b);
+      const __m256i hbits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                            _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+      f[h] = _mm512_mul_ps(_mm512_cvtph_ps(hbits), _mm512_set1_ps(256.0f));
+    }
+    if constexpr (kScale) f[h] = _mm512_mul_ps(f[h], scale);
+  }
+  return (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+}
+
 // One KV tile of one KV head, packed for vdpbf16ps (see above). D = ND * 16, ND even.
-template <int ND>
+// A quantized cache (Kind int8 / fp8, rows of D bytes + a bf16 scale): K is packed unscaled (its
+// int8 / e4m3 values are exact in bf16) with the per-position scales in ks, which the caller applies
+// to the scores (S = (Q K_q^T) * s_k: no rounding of the dequantized K); V is dequantized into bf16
+// (one rounding of v * s_v, at most 2^-9 relative: below the int8 / fp8 rounding itself).
+template <int ND, int Kind = kKvBf16>
 struct PackedTile {
   static constexpr int DP = ND * 8;  // dim pairs
+  static constexpr int D = ND * 16;
+  using E = std::conditional_t<Kind == kKvBf16, c10::BFloat16, uint8_t>;  // a cache row's elements
   alignas(64) uint32_t k[DP][kKvTile];
   alignas(64) uint32_t v[kKvTile / 2][ND * 16];
+  alignas(64) float ks[kKvTile];  // K scales per position (quantized caches only)
+
+  // The 16 dim pairs [db, db + 16) of row r, as a bf16 row would hold them.
+  static inline __m512i k_pairs(const E* r, int db) {
+    if constexpr (Kind == kKvBf16) return _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(r) + db);
+    else return quant_bf16x32<Kind, false>(r, 2 * db, _mm512_setzero_ps());
+  }
+  // Dims [d, d + 32) of V row r as 32 bf16.
+  static inline __m512i v_dims(const E* r, int d) {
+    if constexpr (Kind == kKvBf16) return _mm512_loadu_si512(r + d);
+    else return quant_bf16x32<Kind, true>(r, d, _mm512_set1_ps(row_scale(r, D)));
+  }
 
   // rows[j]: the K (kr) and V (vr) cache rows of tile position j (a zero row past the context).
   // nk / nv, when not null: the next tile's rows, prefetched into L2 a 16-row group at a time between
   // the transposes (a burst of the whole tile's prefetches before the pack would stall the core
   // on its few fill buffers instead of overlapping the loads with this tile's work).
-  void pack(const c10::BFloat16* const* kr, const c10::BFloat16* const* vr,
-            const c10::BFloat16* const* nk, const c10::BFloat16* const* nv) {
+  void pack(const E* const* kr, const E* const* vr, const E* const* nk, const E* const* nv) {
+    constexpr int kRowBytes = Kind == kKvBf16 ? ND * 32 : ND * 16 + 2;
     for (int jb = 0; jb < kKvTile; jb += 16) {
       if (nk != nullptr) {
         for (int j = jb; j < jb + 16; ++j)
-          for (int b = 0; b < ND * 32; b += 64) {
+          for (int b = 0; b < kRowBytes; b += 64) {
             _mm_prefetch(reinterpret_cast<const char*>(nk[j]) + b, _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char*>(nv[j]) + b, _MM_HINT_T1);
           }
       }
       for (int db = 0; db < DP; db += 16) {
         __m512i r[16];
-        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(kr[jb + j]) + db);
+        for (int j = 0; j < 16; ++j) r[j] = k_pairs(kr[jb + j], db);
         transpose16x16(r);
         for (int d = 0; d < 16; ++d) _mm512_store_si512(&k[db + d][jb], r[d]);
       }
+      if constexpr (Kind != kKvBf16)
+        for (int j = jb; j < jb + 16; ++j) ks[j] = row_scale(kr[j], D);
     }
     // Word 2i of the result = a[i], word 2i+1 = b[i] (i = 0..15), and the same for a[16..31], b[16..31].
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
@@ -544,7 +691,7 @@ struct PackedTile {
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int i = 0; i < kKvTile / 2; ++i)
       for (int d = 0; d < ND * 16; d += 32) {
-        const __m512i a = _mm512_loadu_si512(vr[2 * i] + d), b = _mm512_loadu_si512(vr[2 * i + 1] + d);
+        const __m512i a = v_dims(vr[2 * i], d), b = v_dims(vr[2 * i + 1], d);
         _mm512_store_si512(&v[i][d], _mm512_permutex2var_epi16(a, lo, b));
         _mm512_store_si512(&v[i][d + 16], _mm512_permutex2var_epi16(a, hi, b));
       }
@@ -643,8 +790,8 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
 }
 
 // One KV tile (first position j0) for N pairs at once (register blocking; the pairs never mix).
-template <int ND, int N>
-inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, __m512 vscale) {
+template <int ND, int N, int Kind = kKvBf16>
+inline void tile_pairs(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int32_t j0, __m512 vscale) {
   constexpr int DP = ND * 8, NC = kKvTile / 16;
   __m512 s[N][NC];
   for (int n = 0; n < N; ++n)
@@ -657,6 +804,11 @@ inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, _
       for (int c = 0; c < NC; ++c) s[n][c] = _mm512_dpbf16_ps(s[n][c], qb, kv[c]);
     }
   }
+  if constexpr (Kind != kKvBf16)  // S = (Q K_q^T) * s_k per position
+    for (int c = 0; c < NC; ++c) {
+      const __m512 sk = _mm512_load_ps(&t.ks[c * 16]);
+      for (int n = 0; n < N; ++n) s[n][c] = _mm512_mul_ps(s[n][c], sk);
+    }
   alignas(64) uint32_t pb[N][kKvTile / 2];
   __m512 alpha[N];
   bool changed[N];
@@ -683,12 +835,12 @@ inline void tile_pairs(const PackedTile<ND>& t, PairState<ND>* ps, int32_t j0, _
 template <int ND>
 constexpr int kGroupPairs = ND <= 4 ? 6 : (ND == 6 ? 4 : 2);
 
-template <int ND, int N = kGroupPairs<ND>>
-inline void tile_group(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
+template <int ND, int N = kGroupPairs<ND>, int Kind = kKvBf16>
+inline void tile_group(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
   if constexpr (N > 1) {
-    if (n < N) return tile_group<ND, N - 1>(t, ps, n, j0, vscale);
+    if (n < N) return tile_group<ND, N - 1, Kind>(t, ps, n, j0, vscale);
   }
-  tile_pairs<ND, N>(t, ps, j0, vscale);
+  tile_pairs<ND, N, Kind>(t, ps, j0, vscale);
 }
 
 
@@ -727,8 +879,8 @@ inline void amx_configure() {
 #define TINYVLLM_TILE_FOR4(F) F(0) F(1) F(2) F(3)
 
 // 16 pairs (ps[0..15]; the ones past n are padding with zero queries) over one packed tile.
-template <int ND>
-inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
+template <int ND, int Kind = kKvBf16>
+inline void tile_pairs_amx(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int n, int32_t j0, __m512 vscale) {
   constexpr int NC = kKvTile / 16, KS = ND / 2;  // 16-position column blocks; 32-dim k steps
   constexpr long kPairStride = sizeof(PairState<ND>);
   static_assert(NC == 4, "four accumulator tiles hold one KV tile's scores");
@@ -748,6 +900,8 @@ inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, in
     if (r < n) {
       __m512 sv[NC];
       for (int c = 0; c < NC; ++c) sv[c] = _mm512_load_ps(&sb[r][c * 16]);
+      if constexpr (Kind != kKvBf16)  // S = (Q K_q^T) * s_k per position
+        for (int c = 0; c < NC; ++c) sv[c] = _mm512_mul_ps(sv[c], _mm512_load_ps(&t.ks[c * 16]));
       __m512 alpha;
       if (online_softmax<ND, true>(ps[r], sv, j0, vscale, pb[r], alpha))
         for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[r].o + v * 16, _mm512_mul_ps(_mm512_load_ps(ps[r].o + v * 16), alpha));
@@ -782,25 +936,26 @@ inline void tile_pairs_amx(const PackedTile<ND>& t, PairState<ND>* ps, int n, in
 #undef TINYVLLM_TILE_FOR4
 #endif  // AMX
 
-template <typename O, int ND>
+template <typename O, int ND, int Kind = kKvBf16>
 void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& token_seq,
                      const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
-  using C = c10::BFloat16;
+  using C = typename PackedTile<ND, Kind>::E;  // a cache row's elements: bf16, or bytes (+ the scale)
   constexpr int D = ND * 16, NG = kGroupPairs<ND>;
+  constexpr int RD = Kind == kKvBf16 ? D : D + 2;  // elements per cache row
   const int64_t num_tokens = q.size(0), Hq = q.size(1);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk;
   const int64_t max_blocks = block_tables.size(1);
   const float* qp = q.data_ptr<float>();
-  const C* kp = key_cache.data_ptr<C>();
-  const C* vp = value_cache.data_ptr<C>();
+  const C* kp = static_cast<const C*>(key_cache.data_ptr());
+  const C* vp = static_cast<const C*>(value_cache.data_ptr());
   const int64_t* btp = block_tables.data_ptr<int64_t>();
   const int64_t* seqp = token_seq.data_ptr<int64_t>();
   const int64_t* posp = token_pos.data_ptr<int64_t>();
   O* op = out.data_ptr<O>();
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale * 1.4426950408889634));  // base-2 softmax
-  alignas(64) static const C zero_row[D] = {};
+  alignas(64) static const C zero_row[RD + 64] = {};  // (+ 64: the quantized loads read 16-byte pieces)
 
   // Work items: (run of up to g_row_block tokens of one sequence at consecutive positions, KV head),
   // handed out longest first from a shared counter (a descheduled thread delays only its own item).
@@ -822,7 +977,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 
   tv_pool::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
     std::vector<PairState<ND>> st(row_block * G + 16);  // + AMX's padding rows past the last pair
-    auto tile = std::make_unique<PackedTile<ND>>();
+    auto tile = std::make_unique<PackedTile<ND, Kind>>();
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (use_amx) amx_configure();
 #endif
@@ -849,8 +1004,8 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         int64_t j = 0;
         for (int64_t blk = j0 / bs, off = j0 % bs; j < kKvTile && j0 + j < ctx_max; ++blk, off = 0) {
           const int64_t n = std::min({bs - off, kKvTile - j, ctx_max - j0 - j});
-          const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * D;
-          for (int64_t i = 0; i < n; ++i, ++j) kr[j] = kp + e + i * Hk * D, vr[j] = vp + e + i * Hk * D;
+          const int64_t e = ((bt[blk] * bs + off) * Hk + w.hk) * RD;
+          for (int64_t i = 0; i < n; ++i, ++j) kr[j] = kp + e + i * Hk * RD, vr[j] = vp + e + i * Hk * RD;
         }
         for (; j < kKvTile; ++j) kr[j] = vr[j] = zero_row;
       };
@@ -869,13 +1024,13 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
         if (use_amx) {
           for (int64_t p = first; p < pairs; p += 16)
-            tile_pairs_amx<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, pairs - p)),
+            tile_pairs_amx<ND, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, pairs - p)),
                                static_cast<int32_t>(j0), vscale);
           continue;
         }
 #endif
         for (int64_t p = first; p < pairs; p += NG)
-          tile_group<ND>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
+          tile_group<ND, NG, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
                          static_cast<int32_t>(j0), vscale);
       }
       for (int64_t p = 0; p < pairs; ++p) {
@@ -955,6 +1110,75 @@ double amx_dot_ceiling_impl(int64_t iters) {
   });
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 32 * 2 / sec;
+}
+#endif
+
+// int8 dot-product ceilings (issue 39's bench prefill reference: what an int8 Q K^T could reach on
+// this CPU): the shape of bf16_dot_ceiling_impl's loop with VPDPBUSD (AVX512-VNNI: 64 int8
+// multiply-adds per instruction against vdpbf16ps's 32), and of amx_dot_ceiling_impl's with TDPBSSD
+// (AMX-INT8: 16 x 16 x 64 per instruction). FLOP = 2 per multiply-add, all threads.
+#if defined(__AVX512VNNI__)
+double int8_dot_ceiling_impl(int64_t iters) {
+  const int64_t nthreads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[16][kKvTile];
+    alignas(64) uint32_t q[6][16];
+    for (int i = 0; i < 16 * kKvTile; ++i) (&k[0][0])[i] = 0x01020304u + (i & 7);
+    for (int i = 0; i < 6 * 16; ++i) (&q[0][0])[i] = 0x04030201u - (i & 3);
+    for (int64_t rep = b; rep < e; ++rep) {
+      __m512i s[6][4];
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) s[n][c] = _mm512_setzero_si512();
+      for (int64_t it = 0; it < iters; ++it)
+        for (int dq = 0; dq < 16; ++dq) {
+          __m512i kv[4];
+          for (int c = 0; c < 4; ++c) kv[c] = _mm512_load_si512(&k[dq][c * 16]);
+          for (int n = 0; n < 6; ++n) {
+            const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[n][dq]));
+            for (int c = 0; c < 4; ++c) s[n][c] = _mm512_dpbusd_epi32(s[n][c], qb, kv[c]);
+          }
+        }
+      __m512i t = _mm512_setzero_si512();
+      for (int n = 0; n < 6; ++n)
+        for (int c = 0; c < 4; ++c) t = _mm512_add_epi32(t, s[n][c]);
+      sink += static_cast<int64_t>(_mm512_reduce_add_epi32(t) != 0);
+    }
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 16 * 24 * 16 * 4 * 2 / sec + 0.0 * sink.load();
+}
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+double amx_int8_dot_ceiling_impl(int64_t iters) {
+  if (!amx_enabled()) return 0.0;
+  const int64_t nthreads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[32][kKvTile];
+    alignas(64) uint32_t q[16][32];
+    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x01020304u + (i & 7);
+    for (int i = 0; i < 16 * 32; ++i) (&q[0][0])[i] = 0x04030201u - (i & 3);
+    amx_configure();
+    for (int64_t rep = b; rep < e; ++rep) {
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      for (int64_t it = 0; it < iters; ++it)
+        for (int ks = 0; ks < 2; ++ks) {
+          _tile_loadd(5, &q[0][ks * 16], 128);
+          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); _tile_dpbssd(0, 5, 4);
+          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); _tile_dpbssd(1, 5, 4);
+          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); _tile_dpbssd(2, 5, 4);
+          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); _tile_dpbssd(3, 5, 4);
+        }
+      alignas(64) int32_t sink[16][16];
+      _tile_stored(0, sink, 64);
+    }
+    _tile_release();
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 64 * 2 / sec;
 }
 #endif
 #endif  // __AVX512BF16__
@@ -1215,6 +1439,39 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
   attention_scalar<C, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
 }
 
+// Paged attention over an int8 / fp8 cache: the tiled kernel on AVX512-BF16 (where allow_tiled: not
+// for float32 models, whose queries it would round to bf16), else attention_scalar_q.
+template <typename O>
+void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const torch::Tensor& key_cache,
+                      const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& token_seq, const torch::Tensor& token_pos, double scale,
+                      torch::Tensor& out) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
+  if (allow_tiled && g_vector_kernels && g_tiled_attention) {
+#define TINYVLLM_QT(ND) return kind == kKvInt8 \
+      ? attention_tiled<O, ND, kKvInt8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out) \
+      : attention_tiled<O, ND, kKvFp8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    switch (q.size(2)) {
+      case 32: TINYVLLM_QT(2)
+      case 64: TINYVLLM_QT(4)
+      case 96: TINYVLLM_QT(6)
+      case 128: TINYVLLM_QT(8)
+      default: break;
+    }
+#undef TINYVLLM_QT
+  }
+#endif
+  if (kind == kKvInt8) attention_scalar_q<kKvInt8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  else attention_scalar_q<kKvFp8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+}
+
+// The KV kind of a cache tensor: int8 -> kKvInt8, uint8 (e4m3 bits) -> kKvFp8, else kKvBf16 (model dtype).
+inline int kv_kind(const torch::Tensor& cache) {
+  if (cache.scalar_type() == torch::kChar) return kKvInt8;
+  if (cache.scalar_type() == torch::kByte) return kKvFp8;
+  return kKvBf16;
+}
+
 }  // namespace
 
 torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
@@ -1226,7 +1483,11 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torc
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   auto out = torch::empty_like(q);
-  if (key_cache.scalar_type() == torch::kBFloat16) {
+  if (const int kind = kv_kind(key_cache); kind != kKvBf16) {
+    TORCH_CHECK(key_cache.size(3) == q.size(2) + 2 && value_cache.scalar_type() == key_cache.scalar_type(),
+                "a quantized cache is [num_blocks, block_size, Hk, D + 2] int8 / uint8 (e4m3) for K and V");
+    attention_q_impl<float>(kind, true, q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  } else if (key_cache.scalar_type() == torch::kBFloat16) {
     attention_impl<c10::BFloat16, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
   } else if (key_cache.scalar_type() == torch::kFloat32) {
     attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
@@ -1408,6 +1669,56 @@ void rope_and_cache_impl(const torch::Tensor& qkv, const torch::Tensor& cos, con
   });
 }
 
+// rope_and_cache_impl for an int8 / fp8 cache ([num_blocks, bs, Hk, D + 2] bytes): the same rotary,
+// K and V rounded to the model dtype C (the values a C cache would hold), then each (token, KV head)
+// row quantized with its own scale (quantize_row; kv_quant.quantize is the reference, bit for bit).
+template <typename C, int Kind>
+void rope_and_cache_q_impl(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                           const torch::Tensor& positions, torch::Tensor& key_cache, torch::Tensor& value_cache,
+                           const torch::Tensor& slot_mapping, int64_t Hq, int64_t Hk, torch::Tensor& q_out) {
+  const int64_t T = qkv.size(0), D = q_out.size(2), half = D / 2, RD = D + 2;
+  const int64_t row = qkv.stride(0);
+  const C* xp = qkv.data_ptr<C>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* slp = slot_mapping.data_ptr<int64_t>();
+  uint8_t* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+  uint8_t* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+  float* qo = q_out.data_ptr<float>();
+  tv_pool::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> kf(D), vf(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const C* x = xp + t * row;
+      const float* c = cp + pp[t] * half;
+      const float* s = sp + pp[t] * half;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const C* q = x + h * D;
+        float* o = qo + (t * Hq + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(q[i]), x2 = to_f(q[i + half]);
+          o[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
+          o[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      const int64_t slot = slp[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < Hk; ++h) {
+        const C* k = x + (Hq + h) * D;
+        const C* v = x + (Hq + Hk + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(k[i]), x2 = to_f(k[i + half]);
+          kf[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
+          kf[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
+        }
+        for (int64_t i = 0; i < D; ++i) vf[i] = to_f(v[i]);
+        quantize_row<Kind>(kf.data(), D, kc + (slot * Hk + h) * RD);
+        quantize_row<Kind>(vf.data(), D, vc + (slot * Hk + h) * RD);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> rms_norm_cpu(torch::Tensor x, std::optional<torch::Tensor> residual,
@@ -1440,12 +1751,32 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
                                        torch::Tensor token_seq, int64_t Hq, int64_t Hk, double scale) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (Hq+2Hk)*D] with unit inner stride");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be [2, nb, bs, Hk, D]");
-  const int64_t T = qkv.size(0), D = kv_cache.size(4);
+  const int kind = kv_kind(kv_cache);
+  const int64_t T = qkv.size(0), D = kv_cache.size(4) - (kind == kKvBf16 ? 0 : 2);
   auto key_cache = kv_cache.select(0, 0);
   auto value_cache = kv_cache.select(0, 1);
   auto q = torch::empty({T, Hq, D}, qkv.options().dtype(torch::kFloat32));
   auto out = torch::empty({T, Hq, D}, qkv.options());
   block_tables = block_tables.contiguous();
+  if (kind != kKvBf16) {  // int8 / fp8 cache (issue 39)
+    TORCH_CHECK(qkv.size(1) == (Hq + 2 * Hk) * D, "qkv must be [T, (Hq+2Hk)*D] for a [2, nb, bs, Hk, D + 2] cache");
+    if (qkv.scalar_type() == torch::kBFloat16) {
+      if (kind == kKvInt8)
+        rope_and_cache_q_impl<c10::BFloat16, kKvInt8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+      else
+        rope_and_cache_q_impl<c10::BFloat16, kKvFp8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+      attention_q_impl<c10::BFloat16>(kind, true, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    } else if (qkv.scalar_type() == torch::kFloat32) {
+      if (kind == kKvInt8)
+        rope_and_cache_q_impl<float, kKvInt8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+      else
+        rope_and_cache_q_impl<float, kKvFp8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
+      attention_q_impl<float>(kind, false, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    } else {
+      TORCH_CHECK(false, "unsupported dtype");
+    }
+    return out.view({T, Hq * D});
+  }
   if (qkv.scalar_type() == torch::kBFloat16) {
     rope_and_cache_impl<c10::BFloat16>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
     attention_impl<c10::BFloat16, c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
@@ -1555,6 +1886,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return 0.0;
 #endif
   }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
+  m.def("int8_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+    return int8_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of a VPDPBUSD (AVX512-VNNI) loop shaped like the tiled attention's S = Q K^T, all threads (0 without it)");
+  m.def("amx_int8_dot_ceiling", [](int64_t iters) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return amx_int8_dot_ceiling_impl(iters);
+#else
+    (void)iters;
+    return 0.0;
+#endif
+  }, "FLOP/s of a TDPBSSD (AMX-INT8) loop shaped like amx_dot_ceiling's, all threads (0 without AMX-INT8)");
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("set_parallel_pool", [](bool on) { return tv_pool::Pool::get().set_enabled(on); },
         "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False; the default "
