@@ -57,6 +57,12 @@ class Request:
         cache_salt: folded into the first block's hash (vLLM's field): requests share
             prefix-cached (and offloaded) blocks only with requests of the same salt.
         num_cached_tokens_tier: the part of ``num_cached_tokens`` loaded from the KV offload tier.
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding; empty: none).
+            They are not part of ``all_token_ids`` until the model accepts them.
+        num_new_output_tokens: output tokens appended by the last ``update_from_output`` (several
+            when drafts were accepted).
+        spec_acceptance: running estimate of the probability that one draft token is accepted
+            (an exponential moving average over this request's verified drafts).
     """
 
     request_id: str
@@ -81,6 +87,9 @@ class Request:
     grammar: Any = None
     cache_salt: str | None = None
     num_cached_tokens_tier: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_new_output_tokens: int = 0
+    spec_acceptance: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
