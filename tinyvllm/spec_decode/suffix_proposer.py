@@ -97,12 +97,12 @@ class SuffixTree:
         node, p = self.match(context)
         if node is None:
             return [], 0.0
-        limit = min(k, max(1, math.floor(max_spec_factor * p)))
+        limit = min(k, max(1, math.floor(max_spec_factor * p)))  # (and the tree's depth: max_depth - p)
         out: list[int] = []
         prob, score = 1.0, 0.0
         while node.children and len(out) < limit:
             total = sum(c.count for c in node.children.values())
-            tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: lowest id
             prob *= child.count / total
             if prob < min_token_prob:
                 break
@@ -124,7 +124,7 @@ def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_f
         return [], 0.0
     match = np.ones(cand.size, dtype=np.int64)
     alive = np.arange(cand.size)
-    for d in range(1, max_depth):
+    for d in range(1, max_depth - 1):  # a match of max_depth tokens would leave no room in the tree
         pos = cand[alive] - d
         ok = pos >= 0
         ok[ok] = toks[pos[ok]] == toks[n - 1 - d]
@@ -134,7 +134,7 @@ def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_f
         match[alive] += 1
     p = int(match.max())
     occ = cand[match == p]  # every earlier occurrence of the longest matched suffix
-    limit = min(k, max(1, math.floor(max_spec_factor * p)))
+    limit = min(k, max(1, math.floor(max_spec_factor * p)), max_depth - p)  # the tree's paths end at max_depth
     out: list[int] = []
     prob, score = 1.0, 0.0
     for d in range(limit):
@@ -144,7 +144,7 @@ def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_f
             break
         nxt = toks[occ + 1 + d]
         vals, counts = np.unique(nxt, return_counts=True)
-        best = int(np.argmax(counts))
+        best = int(np.argmax(counts))  # ties: the lowest token id, as in SuffixTree.speculate
         prob *= float(counts[best]) / nxt.size
         if prob < min_token_prob:
             break
