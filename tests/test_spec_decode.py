@@ -424,3 +424,42 @@ def test_greedy_exact_on_the_twenty_test_prompts_and_agent_editing(method, make_
             assert [o.outputs[0].token_ids for o in outs] == ref
             _no_leak(llm)
         assert llm.llm_engine.core.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_metrics_use_vllm_names_and_bench_serve_summary():
+    from tinyvllm.benchmarks.serve import _SPEC_RE, spec_decode_summary
+    from tinyvllm.metrics.prometheus import ServerMetrics
+    from tinyvllm.metrics.stats import SchedulerStats
+
+    m = ServerMetrics("m")
+    for drafts, tokens, acc, per_pos in ((3, 10, 4, [3, 1]), (5, 16, 7, [4, 2, 1])):
+        m.update_from_stats(SchedulerStats(spec_decode_num_drafts=drafts, spec_decode_num_draft_tokens=tokens,
+                                           spec_decode_num_accepted_tokens=acc,
+                                           spec_decode_num_accepted_tokens_per_pos=per_pos))
+    text = m.render().decode()
+    assert 'tinyvllm:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
+    assert 'tinyvllm:spec_decode_num_draft_tokens_total{model_name="m"} 16.0' in text
+    assert 'tinyvllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
+    assert 'tinyvllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+    import re
+
+    after = {mt.group(1): float(mt.group(2)) for mt in (re.match(_SPEC_RE, ln) for ln in text.splitlines()) if mt}
+    s = spec_decode_summary({"num_drafts": 1, "num_draft_tokens": 4, "num_accepted_tokens": 1}, after)
+    assert s["acceptance_rate"] == pytest.approx(6 / 12) and s["mean_accepted_length"] == pytest.approx(1 + 6 / 4)
+
+
+def test_agent_editing_dataset_repeats_the_file_it_asks_to_rewrite():
+    from tinyvllm.benchmarks.agent_editing import agent_editing_dataset
+
+    specs = agent_editing_dataset(8, 64, seed=3)
+    assert specs == agent_editing_dataset(8, 64, seed=3) and len(specs) == 8
+
+    def file_read(prompt: str) -> dict:
+        start = prompt.rindex("<tool_result>") + len("<tool_result>")
+        return json.loads(prompt[start:prompt.index("</tool_result>", start)])
+
+    for s in specs:
+        f = file_read(s.prompt)
+        assert f["content"].startswith(("def ", "async def ")) and f["path"].startswith("tinyvllm/")
+        assert s.prompt.endswith('"content": "') and '"name": "read_file"' in s.prompt and s.max_tokens == 64
+    assert file_read(specs[0].prompt) == file_read(specs[3].prompt)  # a session edits one file
