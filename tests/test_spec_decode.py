@@ -463,3 +463,81 @@ def test_agent_editing_dataset_repeats_the_file_it_asks_to_rewrite():
         assert f["content"].startswith(("def ", "async def ")) and f["path"].startswith("tinyvllm/")
         assert s.prompt.endswith('"content": "') and '"name": "read_file"' in s.prompt and s.max_tokens == 64
     assert file_read(specs[0].prompt) == file_read(specs[3].prompt)  # a session edits one file
+
+
+# ----------------------------------------------------------------------------- scheduler: rollback and the prefix cache
+def _fake_next(context: list[int]) -> int:
+    """A deterministic fake model over a vocabulary of 16 (so right drafts are common)."""
+    return (sum(context[-3:]) * 7 + len(context)) % 16
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scheduler_rolls_back_rejected_drafts_and_never_caches_them(seed):
+    """A fake worker that keeps the KV as the tokens written to each slot. With random drafts (some
+    right, some wrong), few blocks (preemption) and shared prefixes (prefix hits): every step reads
+    only KV of the request's real tokens, cached blocks hold exactly the tokens of their hash chain,
+    outputs equal plain greedy decoding, and no block leaks."""
+    from tinyvllm.config import CacheConfig, SchedulerConfig
+    from tinyvllm.core.scheduler import Scheduler
+    from tinyvllm.request import Request
+
+    rng = np.random.default_rng(seed)
+    bs = 4
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4),
+                      CacheConfig(block_size=bs, enable_prefix_caching=True), num_blocks=18, max_model_len=256)
+    kv: dict[int, list[int | None]] = {}  # block id -> token per slot (what "KV" was computed from)
+    shared = rng.integers(0, 16, size=9).tolist()
+    prompts = [shared + rng.integers(0, 16, size=int(rng.integers(1, 7))).tolist() for _ in range(6)]
+    reqs = [Request(request_id=str(i), prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=20),
+                    eos_token_ids=frozenset(), max_tokens=20) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    hit_checked = verified = 0
+    for _ in range(400):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        sampled, accepted = {}, {}
+        for rid, n in out.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            table = sched.kv.get_block_ids(rid)
+            start = r.num_computed_tokens
+            for pos in range(start):  # every computed position's KV is of the request's own token
+                assert kv[table[pos // bs]][pos % bs] == r.all_token_ids[pos]
+                hit_checked += 1
+            written = r.all_token_ids[start:start + n - len(drafts)] + drafts
+            for j, t in enumerate(written):
+                kv.setdefault(table[(start + j) // bs], [None] * bs)[(start + j) % bs] = t
+            if start + n - len(drafts) == r.num_tokens:  # samples: verify the drafts greedily
+                ctx = list(r.all_token_ids)
+                acc = []
+                for d in drafts:
+                    if _fake_next(ctx) != d:
+                        break
+                    acc.append(d)
+                    ctx.append(d)
+                accepted[rid] = acc
+                sampled[rid] = _fake_next(ctx)
+                verified += bool(drafts)
+        for r in sched.update_from_output(out, sampled, accepted):
+            pass
+        for r in list(sched.running):  # the next drafts: the right continuation, corrupted at random
+            ctx, d = list(r.all_token_ids), []
+            for _ in range(int(rng.integers(0, 5))):
+                t = _fake_next(ctx) if rng.random() < 0.7 else int(rng.integers(0, 16))
+                d.append(t)
+                ctx.append(t)
+            r.spec_token_ids = d if r.num_computed_tokens + 1 == r.num_tokens else []
+        for block in sched.kv.block_pool.cached_block_hash_to_block.values():  # cached = its chain's tokens
+            assert None not in kv[block.block_id]
+    assert not sched.has_unfinished_requests() and sched.kv.num_owned_blocks() == 0
+    for r in reqs:
+        ctx, want = list(r.prompt_token_ids), []
+        for _ in range(20):
+            want.append(_fake_next(ctx))
+            ctx.append(want[-1])
+        assert r.output_token_ids == want
+    st = sched.stats
+    assert verified > 10 and 0 < st.spec_decode_num_accepted_tokens < st.spec_decode_num_draft_tokens
+    assert st.num_preemptions > 0 and st.prefix_cache_hits > 0 and hit_checked > 0

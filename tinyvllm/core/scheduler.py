@@ -251,13 +251,19 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._drafts_to_verify(req, num_new, budget) if req.spec_token_ids else None
+            # (drafts use only budget the running requests after this one do not need for one token each)
+            drafts = (self._drafts_to_verify(req, num_new, budget - (len(self.running) - i - 1))
+                      if req.spec_token_ids else None)
             if drafts:
                 num_new += len(drafts)
             while True:
                 blocks = self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new)
                 if blocks is not None:
                     break
+                if drafts:  # drafts never cost a preemption: without them the step may fit
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = self.running[-1]  # most recently admitted
                 if victim.request_id in scheduled:
                     # Never preempt a request already given tokens this step.
