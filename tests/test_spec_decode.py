@@ -417,7 +417,7 @@ def test_greedy_exact_on_the_twenty_test_prompts_and_agent_editing(method, make_
     ids += [tok.encode(p) for p in agent_editing_prompts(8, tok)]
     sp = SamplingParams(temperature=0, max_tokens=96)
     ref = [smol_llm.generate({"prompt_token_ids": x}, sp)[0].outputs[0].token_ids for x in ids]
-    for kw in (dict(), dict(max_num_batched_tokens=48, num_kv_blocks=64, block_size=8)):
+    for kw in (dict(), dict(max_num_batched_tokens=48, num_kv_blocks=128, block_size=8)):
         llm = make_smol_llm(speculative_config={"method": method}, **kw)
         for _ in range(2):
             outs = llm.generate([{"prompt_token_ids": x} for x in ids], sp)
