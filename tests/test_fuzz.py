@@ -21,7 +21,7 @@ from server_utils import Server
 
 MAX_EXAMPLES = 25
 MAX_MODEL_LEN = 128
-TOKEN_CAP = 4  # max_tokens / max_completion_tokens / min_tokens in the fuzzed schema
+TOKEN_CAP = 4  # max_tokens / max_completion_tokens / min_tokens / max_output_tokens in the fuzzed schema
 
 
 def _schema() -> dict:
@@ -29,9 +29,13 @@ def _schema() -> dict:
 
     stub = types.SimpleNamespace(tokenizer=None, model_name="m", step_listeners=[])
     spec = build_app(stub).openapi()  # type: ignore[arg-type]
+    # a Responses request always caps its output (its default is the rest of the context: slow, and not the point)
+    responses = spec["components"]["schemas"]["ResponsesRequest"]
+    responses["required"] = sorted(set(responses.get("required", [])) | {"max_output_tokens"})
+    responses["properties"]["max_output_tokens"] = {"type": "integer", "title": "Max Output Tokens"}
     for comp in spec.get("components", {}).get("schemas", {}).values():
         for name, prop in comp.get("properties", {}).items():
-            if name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+            if name in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
                 for alt in prop.get("anyOf", [prop]):
                     if alt.get("type") == "integer":
                         alt["maximum"] = TOKEN_CAP
@@ -43,9 +47,10 @@ schema = schemathesis.openapi.from_dict(_schema())
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("fuzz") / "server.log",
+    tmp = tmp_path_factory.mktemp("fuzz")
+    srv = Server(tmp / "server.log",
                  ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--kv-cache-memory", "32MiB",
-                  "--max-request-body-bytes", "1000000"],
+                  "--max-request-body-bytes", "1000000", "--responses-store-path", str(tmp / "responses.sqlite")],
                  env={"TINYVLLM_MAX_N_SEQUENCES": "8"})
     try:
         srv.wait_healthy()
@@ -80,7 +85,8 @@ _BASES = {"CompletionRequest": ("/v1/completions", {"prompt": "hi", "max_tokens"
           "TokenizeRequest": ("/tokenize", {"prompt": "hi"}),
           "MessagesRequest": ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
           "CountTokensRequest": ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
-          "DetokenizeRequest": ("/detokenize", {"tokens": [1]})}
+          "DetokenizeRequest": ("/detokenize", {"tokens": [1]}),
+          "ResponsesRequest": ("/v1/responses", {"input": "hi", "max_output_tokens": 1})}
 _WRONG = {"boolean": ["true", "false", 1, 0], "integer": ["1", 1.0, True], "number": ["1.0", True]}
 
 

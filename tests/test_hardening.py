@@ -383,7 +383,7 @@ def test_server_flags_parse():
     assert a.host == "127.0.0.1" and a.api_key is None and a.allowed_origins is None
     assert a.max_request_body_bytes > 0 and "/health" in a.open_paths and "/metrics" in a.open_paths
     a = p.parse_args(["--api-key", "k", "--allowed-origins", "*", "--open-paths", "/health"])
-    assert a.api_key == "k" and a.allowed_origins == ["*"] and a.open_paths == ["/health"]
+    assert a.api_key == ["k"] and a.allowed_origins == ["*"] and a.open_paths == ["/health"]
 
 
 # ----------------------------------------------------------------------------- echo / prompt_logprobs / logit_bias

@@ -186,7 +186,7 @@ def test_api_key_as_x_api_key_or_bearer(tmp_path):
     # --api-key: the SDK's x-api-key header is accepted as well as Authorization: Bearer; a wrong key is a 401
     # in Anthropic's shape (authentication_error)
     srv = Server(tmp_path / "server.log", ["--max-model-len", "256", "--kv-cache-memory", "32MiB",
-                                           "--api-key", "sekrit"])
+                                           "--api-key", "sekrit", "--max-request-body-bytes", "4096"])
     try:
         srv.wait_healthy()
         ok = anthropic.Anthropic(base_url=srv.base, api_key="sekrit", max_retries=0, timeout=60)
@@ -197,5 +197,39 @@ def test_api_key_as_x_api_key_or_bearer(tmp_path):
         with pytest.raises(anthropic.AuthenticationError) as e:
             bad.messages.create(model=MODEL, max_tokens=2, messages=HELLO)
         assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+        # a body over --max-request-body-bytes: 413, in Anthropic's shape on /v1/messages, OpenAI's elsewhere
+        big = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 8000}]}
+        with pytest.raises(anthropic.APIStatusError) as e:
+            ok.messages.create(**big)
+        assert e.value.status_code == 413 and e.value.body["type"] == "error"
+        assert e.value.body["error"]["type"] == "request_too_large"
+        r = httpx.post(srv.base + "/v1/chat/completions", json=big, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("path,anthropic_shape", [("/v1/messages", True), ("/v1/chat/completions", False)])
+def test_unhandled_error_is_a_500_in_the_paths_shape(path, anthropic_shape):
+    """GuardMiddleware, the one handler of exceptions a route lets escape: a 500 in Anthropic's error shape on
+    the Messages API's paths, OpenAI's elsewhere (the middleware itself, over an app that raises)."""
+    import asyncio
+
+    from tinyvllm.entrypoints.openai.middleware import GuardMiddleware
+
+    async def broken_app(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def call() -> httpx.Response:
+        transport = httpx.ASGITransport(app=GuardMiddleware(broken_app))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post(path, json={})
+
+    r = asyncio.run(call())
+    assert r.status_code == 500
+    body = r.json()
+    if anthropic_shape:
+        assert body["type"] == "error" and body["error"]["type"] == "api_error" and "RuntimeError" in \
+            body["error"]["message"]
+    else:
+        assert body["error"]["code"] == 500 and "RuntimeError" in body["error"]["message"]

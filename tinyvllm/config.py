@@ -185,6 +185,137 @@ class ModelConfig:
         return parse_dtype(self.dtype, self.device)
 
 
+KV_CONNECTORS = ("ZmqConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# Keys of vLLM's KVTransferConfig accepted (so a vLLM command line carries over) but not used here.
+_KV_TRANSFER_IGNORED = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port",
+                        "kv_connector_module_path")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``--kv-transfer-config``: which KV connector moves blocks between engines (vLLM's JSON object).
+
+    Attributes:
+        kv_connector: the connector class: ``ZmqConnector`` (vLLM's NIXL protocol on the HTTP side,
+            block bytes over TCP with ZMQ; :mod:`tinyvllm.distributed.kv_transfer.zmq_connector`).
+        kv_role: ``kv_producer`` (a prefill engine: serves its blocks), ``kv_consumer`` (a decode
+            engine: pulls blocks) or ``kv_both`` (either, per request; the default).
+        kv_connector_extra_config: the connector's own options (see its module).
+        engine_id: this engine's id in ``kv_transfer_params`` (default: a random one per start).
+        kv_load_failure_policy: what a failed load does: ``recompute`` (the only policy: the decode
+            engine computes the prompt itself, so a failure never changes a token).
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict)
+    engine_id: str | None = None
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            hint = (" (NIXL needs RDMA/GPU hardware; ZmqConnector speaks the same HTTP protocol with KV over TCP)"
+                    if self.kv_connector == "NixlConnector" else "")
+            raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.kv_connector!r}{hint}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON object")
+        if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
+            raise ValueError(f"kv_transfer_config.engine_id must be a non-empty string, got {self.engine_id!r}")
+        if self.kv_load_failure_policy != "recompute":
+            raise ValueError(f"kv_transfer_config.kv_load_failure_policy must be 'recompute', "
+                             f"got {self.kv_load_failure_policy!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        """A config from its JSON text (the flag), a dict (``LLM(kv_transfer_config={...})``) or as is.
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key, a missing ``kv_connector``, a bad value.
+        """
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in value if k not in names and k not in _KV_TRANSFER_IGNORED)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs 'kv_connector' (e.g. {\"kv_connector\": \"ZmqConnector\", "
+                             "\"kv_role\": \"kv_both\"})")
+        return cls(**{k: v for k, v in value.items() if k in names})
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: publish the prefix cache's changes as vLLM's KV events (a JSON object).
+
+    Attributes:
+        enable_kv_cache_events: publish at all.
+        publisher: ``zmq`` (a ZMQ PUB socket) or ``null`` (none; vLLM's default).
+        endpoint: where the PUB socket binds (e.g. ``tcp://*:5557``).
+        topic: the first frame of every message.
+        hwm: the socket's send high-water mark (messages).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError("kv_events_config.enable_kv_cache_events must be true or false")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError(f"kv_events_config.endpoint must be a ZMQ endpoint such as tcp://*:5557, "
+                             f"got {self.endpoint!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError("kv_events_config.topic must be a string")
+        if isinstance(self.hwm, bool) or not isinstance(self.hwm, int) or self.hwm < 0:
+            raise ValueError(f"kv_events_config.hwm must be an integer >= 0, got {self.hwm!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVEventsConfig | None") -> "KVEventsConfig | None":
+        """From JSON text, a dict or as is. Raises ``ValueError`` (bad JSON, unknown key, bad value)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_events_config is not valid JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        ignored = ("buffer_steps", "max_queue_size")  # vLLM's replay buffer options (no replay socket here)
+        unknown = sorted(k for k in value if k not in names and k not in ignored and k != "replay_endpoint")
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(names)}")
+        if value.get("replay_endpoint") is not None:
+            raise ValueError("kv_events_config.replay_endpoint: a replay socket is not supported (leave it null)")
+        return cls(**{k: v for k, v in value.items() if k in names})
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.
@@ -200,6 +331,9 @@ class CacheConfig:
             evicts; 0 (the default) turns it off. Needs prefix caching.
         kv_offload_path: a directory: the tier is a file there (``kv_offload.bin``, of
             ``kv_offload_size`` bytes) instead of host RAM, and survives restarts.
+        kv_transfer_config: the KV connector (:class:`KVTransferConfig`; given as its JSON text or a
+            dict), or None: no blocks move between engines.
+        kv_events_config: KV events publishing (:class:`KVEventsConfig`, JSON text or a dict), or None.
     """
 
     block_size: int = 16
@@ -208,8 +342,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_offload_size: int | str = 0
     kv_offload_path: str | None = None
+    kv_transfer_config: "str | dict | KVTransferConfig | None" = None
+    kv_events_config: "str | dict | KVEventsConfig | None" = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_transfer_config", KVTransferConfig.parse(self.kv_transfer_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))  # bytes, as an int
@@ -463,6 +601,15 @@ class EngineArgs:
     kv_offload_path: str | None = _option(CacheConfig.kv_offload_path,
                                           "directory of a disk KV offload tier of --kv-offload-size bytes "
                                           "that survives restarts")
+    kv_transfer_config: str | None = _option(CacheConfig.kv_transfer_config,
+                                             "KV connector as JSON (vLLM's flag), e.g. '{\"kv_connector\": "
+                                             "\"ZmqConnector\", \"kv_role\": \"kv_both\"}': prefill/decode "
+                                             "disaggregation behind vllm-router (docs/disaggregation.md)")
+    kv_events_config: str | None = _option(CacheConfig.kv_events_config,
+                                           "publish KV cache events as JSON (vLLM's flag), e.g. "
+                                           "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                                           "\"endpoint\": \"tcp://*:5557\"}': BlockStored / BlockRemoved / "
+                                           "AllBlocksCleared over ZMQ PUB, msgpack (for KV-aware routers)")
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "continuous: rebuild the batch every step; static: admit a new batch only "
                                      "when one finishes", choices=SCHEDULING_POLICIES)

@@ -80,6 +80,9 @@ class RequestOutput:
     prefix_cache: object | None = field(default=None, repr=False)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
+    # P/D disaggregation (vLLM's field): what the decode engine needs to pull this request's KV (on the
+    # finished output of a request sent with kv_transfer_params {"do_remote_decode": true}), else None.
+    kv_transfer_params: dict | None = None
 
 
 # ----------------------------------------------------------------------------- worker -> scheduler
@@ -103,6 +106,28 @@ class TokenLogprobs:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker half reports after a step (as vLLM v1's ``KVConnectorOutput``).
+
+    Attributes:
+        finished_sending: requests whose blocks were sent (or whose send was given up: released by the
+            receiver, or expired): the scheduler frees the blocks it kept for them.
+        finished_recving: requests whose blocks arrived: they may be scheduled.
+        failed_recving: requests whose load failed: they recompute their prompt.
+    """
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    recv_bytes: int = 0  # bytes of the loads in finished_recving
+    recv_seconds: float = 0.0  # their transfer time summed (request sent -> bytes in the KV cache)
+    num_expired: int = 0  # sends in finished_sending given up because nobody pulled them within the TTL
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass
 class ModelRunnerOutput:
     """What one step of the worker returns (as vLLM v1's ``ModelRunnerOutput``).
 
@@ -123,3 +148,4 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     spec_accepted: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # the KV connector's transfers (None: no connector)

@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     WAITING_FOR_FSM = 6  # waiting, and its grammar is still compiling (vLLM's name)
+    WAITING_FOR_REMOTE_KVS = 7  # waiting, and its KV blocks are being pulled from another engine (vLLM's name)
 
     @property
     def is_finished(self) -> bool:
@@ -63,6 +64,8 @@ class Request:
             when drafts were accepted).
         spec_acceptance: running estimate of the probability that one draft token is accepted
             (an exponential moving average over this request's verified drafts).
+        kv_transfer_params_out: set by a KV connector when the request finishes: the ``kv_transfer_params``
+            of its response (what another engine needs to pull its blocks).
     """
 
     request_id: str
@@ -90,9 +93,16 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_new_output_tokens: int = 0
     spec_acceptance: float | None = None
+    kv_transfer_params_out: dict | None = None  # a KV connector's kv_transfer_params for the response
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """The request's ``kv_transfer_params`` (vLLM's P/D protocol, in ``sampling_params.extra_args``)."""
+        extra = self.sampling_params.extra_args
+        return extra.get("kv_transfer_params") if extra else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -163,6 +163,8 @@ class SamplingParams:
         cache_salt: a non-empty string folded into the hash of the request's first KV block (vLLM's
             request field), so that it shares prefix-cached and offloaded blocks only with requests
             of the same salt (isolation between tenants); None shares with every unsalted request.
+        extra_args: free-form arguments for plugins (vLLM's field); ``extra_args["kv_transfer_params"]`` carries
+            a request's P/D disaggregation parameters to the KV connector (:mod:`tinyvllm.distributed.kv_transfer`).
     """
 
     n: int = 1
@@ -187,6 +189,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     cache_salt: str | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # --- types (and normalisation to plain Python types) ---
@@ -214,6 +217,8 @@ class SamplingParams:
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):

@@ -86,6 +86,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             ``structured_output_request_ids`` names the request once per verified position
             (``len(drafts) + 1`` consecutive bitmask rows).
         num_spec_tokens: draft tokens of this step (part of ``total_num_scheduled_tokens``).
+        kv_connector_metadata: the KV connector's instructions to its worker half this step, encoded by its
+            scheduler half (:mod:`tinyvllm.distributed.kv_transfer`); empty when there is nothing to do.
     """
 
     scheduled_new_reqs: list[NewRequestData] = []
@@ -102,6 +104,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_offload_loads: list[tuple[int, int]] = []
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     num_spec_tokens: int = 0
+    kv_connector_metadata: bytes = b""
 
     @property
     def is_empty(self) -> bool:

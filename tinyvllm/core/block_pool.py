@@ -144,6 +144,8 @@ class BlockPool:
         self.on_evict = on_evict
         # Called with each hash that leaves the cache (eviction or reset); prefix-break diagnostics.
         self.on_hash_dropped: Callable[[int], None] | None = None
+        # KV events (--kv-events-config): raw records of prefix-cache changes, taken by the engine core.
+        self.kv_events: list[tuple] | None = None
         # Bumped whenever a block gains a second holder or a shared block loses one, so the per-request
         # KV share (tinyvllm.core.kv_diagnostics.kv_block_share) is only recomputed when it may change.
         self.share_version = 0
@@ -179,6 +181,8 @@ class BlockPool:
                     self.on_evict(block.block_hash, block.block_id)
                 if self.on_hash_dropped is not None:
                     self.on_hash_dropped(block.block_hash)
+                if self.kv_events is not None:
+                    self.kv_events.append(("removed", block.block_hash))
             block.block_hash = None
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -252,6 +256,8 @@ class BlockPool:
                 self.on_hash_dropped(block.block_hash)
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(("cleared",))
         return True
 
     # -- accounting ----------------------------------------------------------

@@ -224,6 +224,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make the request own blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
@@ -238,6 +239,9 @@ class KVCacheManager:
                 become the head of its block table. The offload-tier hits of that
                 lookup follow them: fresh blocks are allocated for them, registered
                 under their hashes, and loaded from the tier before the step's forward.
+            delay_cache_blocks: do not register the new full blocks in the prefix cache
+                (vLLM's flag): their KV is loaded from another engine later; the
+                request's next allocation registers them.
 
         Returns:
             The newly allocated blocks (possibly empty), or None if the pool has
@@ -290,20 +294,29 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if tier:
             self._tier_hits.pop(request_id, None)
-            for block, h in zip(new_blocks, tier):
+            for k, (block, h) in enumerate(zip(new_blocks, tier)):
                 self.offload.prepare_load(h, block.block_id)
-                self.block_pool.cache_full_block(block, h)
+                if self.block_pool.cache_full_block(block, h) and self.block_pool.kv_events is not None:
+                    self._record_stored(request_id, token_ids, len(hit) + k)
             self.num_cached_blocks[request_id] = len(hit) + len(tier)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_full = min(total_tokens, len(token_ids)) // bs
             start = self.num_cached_blocks.get(request_id, 0)
             if num_full > start:
                 hashes = self._block_hashes(request_id, token_ids, num_full)
                 for i in range(start, num_full):
-                    self.block_pool.cache_full_block(blocks[i], hashes[i])
+                    if self.block_pool.cache_full_block(blocks[i], hashes[i]) and self.block_pool.kv_events is not None:
+                        self._record_stored(request_id, token_ids, i)
                 self.num_cached_blocks[request_id] = num_full
         return new_blocks
+
+    def _record_stored(self, request_id: str, token_ids: Sequence[int], i: int) -> None:
+        """A KV event: the request's block ``i`` was registered (its hash, its parent's, its tokens)."""
+        hashes = self.req_to_block_hashes[request_id]
+        bs = self.block_size
+        self.block_pool.kv_events.append(("stored", hashes[i], hashes[i - 1] if i else None,
+                                          list(token_ids[i * bs:(i + 1) * bs])))
 
     def free(self, request_id: str) -> None:
         """Release all of the request's blocks (tail first) and forget its hashes.

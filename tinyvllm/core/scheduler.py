@@ -23,8 +23,10 @@ from tinyvllm.config import CacheConfig, SchedulerConfig
 from tinyvllm.core.kv_cache_manager import KVCacheManager
 from tinyvllm.core.kv_diagnostics import PrefixCacheDiagnostics, kv_block_share
 from tinyvllm.core.kv_offload import OffloadIndex
+from tinyvllm.distributed.kv_transfer import KVConnectorBase_V1
 from tinyvllm.metrics.stats import SchedulerStats
 from tinyvllm.metrics.kv_stats import DISABLED, PrefixCacheReport
+from tinyvllm.outputs import KVConnectorOutput
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -43,7 +45,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  max_model_len: int, offload: OffloadIndex | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, connector: KVConnectorBase_V1 | None = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.max_model_len = max_model_len
@@ -70,6 +72,10 @@ class Scheduler:
         self.prefix_diag = PrefixCacheDiagnostics(cache_config.block_size)
         if cache_config.enable_prefix_caching:
             self.kv.block_pool.on_hash_dropped = self.prefix_diag.on_evict
+        # KV connector (scheduler half, P/D disaggregation): finished requests whose blocks are kept until the
+        # worker half reports them sent (request id -> their blocks stay in ``self.kv`` under that id).
+        self.connector = connector
+        self._delayed_free: set[str] = set()
 
     # ------------------------------------------------------------------ queue ops
     def add_request(self, request: Request) -> None:
@@ -106,7 +112,14 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.kv.free(req.request_id)
+        delay = False
+        if self.connector is not None:
+            delay, req.kv_transfer_params_out = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id))
+        if delay:  # another engine pulls them: freed when the connector says they were sent
+            self._delayed_free.add(req.request_id)
+        else:
+            self.kv.free(req.request_id)
         self._kv_share.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         self._num_sent_blocks.pop(req.request_id, None)
@@ -120,6 +133,40 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """True while a KV connector moves blocks (pulls in flight, finished requests' blocks kept for a pull)."""
+        return bool(self._delayed_free) or (self.connector is not None and self.connector.has_pending())
+
+    def update_from_kv_xfer_finished(self, out: KVConnectorOutput | None) -> bool:
+        """Apply the KV connector's report (vLLM's ``_update_from_kv_xfer_finished``): free the kept blocks of
+        requests whose blocks were sent (or expired); a request whose blocks arrived becomes schedulable with
+        the prompt but its last token computed; one whose pull failed recomputes its prompt. Returns True if
+        anything changed."""
+        if not out:
+            return False
+        self.connector.update_connector_output(out)
+        for rid in out.finished_sending:
+            if rid in self._delayed_free:
+                self._delayed_free.discard(rid)
+                self.kv.free(rid)
+        self.stats.kv_transfer_sent_requests += len(out.finished_sending) - out.num_expired
+        self.stats.kv_transfer_expired_requests += out.num_expired
+        self.stats.kv_transfer_recv_bytes += out.recv_bytes
+        self.stats.kv_transfer_recv_seconds += out.recv_seconds
+        for rid, ok in [(r, True) for r in out.finished_recving] + [(r, False) for r in out.failed_recving]:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            req.status = RequestStatus.WAITING
+            if ok:
+                self.stats.kv_transfer_recv_requests += 1
+                req.num_computed_tokens = req.num_prompt_tokens - 1
+            else:  # recompute: drop the blocks (never registered in the prefix cache) and start over
+                self.stats.kv_transfer_failed_requests += 1
+                self.kv.free(rid)
+                req.num_computed_tokens = 0
+        return True
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot: the cumulative counters plus the current queue and KV gauges."""
@@ -185,6 +232,26 @@ class Scheduler:
         self.prefix_diag.record_chain(hashes, req.all_token_ids)
 
     # ------------------------------------------------------------------ schedule
+    def _start_remote_load(self, req: Request, computed_blocks: list, num_cached: int) -> bool | None:
+        """Ask the KV connector for the tokens beyond the local hits; if it loads them asynchronously,
+        allocate their blocks (not registered in the prefix cache until the request runs: their content is
+        not there yet) and park the request as ``WAITING_FOR_REMOTE_KVS``. True if parked, False if the
+        connector has nothing for it, None if there is no room for the blocks yet."""
+        num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+        if not load_async or num_external <= 0:
+            return False
+        rid = req.request_id
+        if self.kv.allocate_slots(rid, req.all_token_ids, num_cached, num_external, computed_blocks,
+                                  delay_cache_blocks=True) is None:
+            return None
+        self.connector.update_state_after_alloc(req, self.kv.get_block_ids(rid), num_external)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_computed_tokens = num_cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+            self.stats.cached_prompt_tokens += num_cached
+        return True
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
@@ -294,14 +361,23 @@ class Scheduler:
             if static and self._static_to_admit <= 0:
                 break
             req = self.waiting[0]
-            if req.status == RequestStatus.WAITING_FOR_FSM:
+            if req.status in (RequestStatus.WAITING_FOR_FSM, RequestStatus.WAITING_FOR_REMOTE_KVS):
                 compiling.append(self.waiting.popleft())
                 continue
-            if req.sampling_params.prompt_logprobs is not None:  # needs the logits of every prompt position
+            if self.kv.get_blocks(req.request_id):  # its KV arrived from another engine: already in its blocks
+                computed_blocks, num_cached = [], req.num_computed_tokens
+            elif req.sampling_params.prompt_logprobs is not None:  # needs the logits of every prompt position
                 computed_blocks, num_cached = [], 0  # (no lookup: it would pin and plan tier loads)
             else:
                 computed_blocks, num_cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                                           req.cache_salt)
+            if self.connector is not None and not req.num_output_tokens:
+                parked = self._start_remote_load(req, computed_blocks, num_cached)
+                if parked is None:
+                    break  # no room for its blocks yet
+                if parked:
+                    compiling.append(self.waiting.popleft())  # waits for its blocks, passed over like a compile
+                    continue
             num_new = req.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
@@ -331,6 +407,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(compiling))
 
         out.kv_offload_stores, out.kv_offload_loads = self.kv.take_offload_ops()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         pc = self.kv.take_stats()
         self.stats.prefix_cache_queries += pc.queries
         self.stats.prefix_cache_hits += pc.hits

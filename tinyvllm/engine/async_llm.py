@@ -99,6 +99,7 @@ def _merge_delta(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if b.prompt_logprobs is not None:
         a.prompt_logprobs = b.prompt_logprobs
     a.num_cached_tokens_tier = b.num_cached_tokens_tier
+    a.kv_transfer_params = b.kv_transfer_params or a.kv_transfer_params
     return a
 
 

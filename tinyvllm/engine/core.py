@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 
 import torch
 
@@ -92,7 +93,25 @@ class EngineCore:
             logger.info("KV offload tier: %d blocks (%.2f GiB) in %s%s", num_slots,
                         num_slots * bytes_per_block / 2**30, cc.kv_offload_path or "host memory",
                         f", {len(entries)} blocks from a previous run" if entries else "")
-        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload)
+        connector = None
+        if cc.kv_transfer_config is not None:  # P/D disaggregation: the worker half first (it binds the port)
+            from tinyvllm.distributed.kv_transfer import KVConnectorRole, create_kv_connector
+
+            kvt = cc.kv_transfer_config
+            engine_id = kvt.engine_id or uuid.uuid4().hex
+            handshake = self.model_executor.initialize_kv_connector(engine_id)
+            connector = create_kv_connector(kvt, KVConnectorRole.SCHEDULER,
+                                            {"block_size": cc.block_size, "engine_id": engine_id, **handshake})
+        self.scheduler = Scheduler(config.scheduler_config, cc, num_blocks, self.max_model_len, offload=offload,
+                                   connector=connector)
+        self.kv_transfers_changed = False  # the last step completed a KV transfer (freed or landed blocks)
+        self.kv_event_publisher = None
+        if cc.kv_events_config is not None and cc.kv_events_config.enabled:
+            from tinyvllm.distributed.kv_events import ZmqEventPublisher
+
+            self.kv_event_publisher = ZmqEventPublisher(cc.kv_events_config)
+            self.scheduler.kv.block_pool.kv_events = []
+        self.last_step_idle = False  # the last step ran nothing and changed nothing (waiting on transfers)
         # Grammars compile in a background thread; the tokenizer is loaded there at the first
         # constrained request (tests with a raw vocabulary replace the manager).
         model_dir, vocab_size = self.resolved.model_dir, info.vocab_size
@@ -162,6 +181,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_transfers(self) -> bool:
+        """True while a KV connector moves blocks (steps must run to complete them, even with no request)."""
+        return self.scheduler.has_pending_kv_transfers()
+
     # ------------------------------------------------------------------ step
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, update requests; return per-request new tokens and finishes."""
@@ -176,10 +199,15 @@ class EngineCore:
             pending = [r.grammar for r in self.scheduler.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
             if pending:
                 pending[0].wait(0.005)
-        if not sched.is_empty or sched.finished_req_ids:  # an empty schedule may still carry finishes
+        self.kv_transfers_changed = False
+        self.last_step_idle = sched.is_empty and not outputs and not sched.finished_req_ids
+        if (not sched.is_empty or sched.finished_req_ids  # an empty schedule may still carry finishes
+                or sched.kv_connector_metadata or self.scheduler.has_pending_kv_transfers()):
             t_exec = time.perf_counter()
             result = self.model_executor.execute_model(sched)
             t_exec = time.perf_counter() - t_exec
+            self.kv_transfers_changed = self.scheduler.update_from_kv_xfer_finished(result.kv_connector_output)
+            self.last_step_idle = self.last_step_idle and not self.kv_transfers_changed
             touched = self.scheduler.update_from_output(sched, result.sampled, result.spec_accepted)
             for req in touched:
                 lp = result.logprobs.get(req.request_id)
@@ -203,10 +231,12 @@ class EngineCore:
                     prefix_cache=req.prefix_cache_report if req.num_output_tokens == 1 else None,
                     prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                     num_cached_tokens_tier=req.num_cached_tokens_tier,
+                    kv_transfer_params=req.kv_transfer_params_out,
                 ))
             if self.drafter is not None:
                 self._speculate(sched, result, touched, t_exec)
         self._flush_kv_offload()
+        self._publish_kv_events()
         t1 = time.perf_counter()
         block_map = b""
         if t1 - self._last_block_map >= BLOCK_MAP_INTERVAL_S or not self.scheduler.has_unfinished_requests():
@@ -235,6 +265,14 @@ class EngineCore:
         if sch.waiting and len(sch.running) < sch.config.max_num_seqs:
             base += sch.waiting[0].num_tokens
         sch.stats.spec_decode_propose_seconds += drafter.propose(sch.running, min(base, budget))
+    def _publish_kv_events(self) -> None:
+        """Publish the prefix cache's changes since the last call (``--kv-events-config``)."""
+        pool = self.scheduler.kv.block_pool
+        if self.kv_event_publisher is not None and pool.kv_events:
+            from tinyvllm.distributed.kv_events import to_events
+
+            raw, pool.kv_events = pool.kv_events, []
+            self.kv_event_publisher.publish(to_events(raw, self.scheduler.block_size))
 
     def _check_compiled_grammars(self) -> list[EngineCoreOutput]:
         """Requests whose grammar finished compiling become schedulable; a failed compile (the API
@@ -268,4 +306,6 @@ class EngineCore:
         return self.make_stats().as_dict()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.reset_prefix_cache()
+        ok = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok

@@ -38,6 +38,7 @@ from tinyvllm.engine.messages import (ERROR_TAG, OUTPUTS_TAG, READY_TAG, EngineC
 logger = logging.getLogger("tinyvllm.core_proc")
 
 _IDLE_POLL_MS = 500
+_KV_PENDING_POLL_MS = 10  # no request, but KV blocks kept for a pull (P/D): step this often to serve / expire them
 _PARENT_CHECK_S = 1.0
 _add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
 _ids_decoder = msgspec.msgpack.Decoder(list[str])
@@ -107,7 +108,8 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             pid=os.getpid(), max_model_len=core.max_model_len, vocab_size=core.model_info.vocab_size,
             eos_token_id=core.model_info.eos_token_id, num_kv_blocks=core.num_blocks,
             block_size=config.cache_config.block_size, load_seconds=core.load_seconds,
-            served_name=core.resolved.served_name))])
+            served_name=core.resolved.served_name, dtype=str(core.dtype).replace("torch.", ""),
+            quantization=str(getattr(core.model, "quantization", "none"))))])
         try:
             _busy_loop(core, in_sock, out_sock, parent_pid, stop)
         except Exception as e:
@@ -133,13 +135,14 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
     last_parent_check = time.monotonic()
     while not stop["flag"]:
         busy = core.has_unfinished_requests()
+        kv_pending = not busy and core.has_pending_kv_transfers()
         now = time.monotonic()
         if now - last_parent_check > _PARENT_CHECK_S:
             last_parent_check = now
             if os.getppid() != parent_pid:
                 logger.warning("parent process %d is gone; exiting", parent_pid)
                 return
-        ready = poller.poll(0 if busy else _IDLE_POLL_MS)
+        ready = poller.poll(0 if busy else _KV_PENDING_POLL_MS if kv_pending else _IDLE_POLL_MS)
         changed = False
         rejected: list[tuple[str, str]] = []
         if ready:
@@ -171,8 +174,10 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                     logger.info("shutdown requested")
                     return
         stepped = core.has_unfinished_requests()
-        outputs = core.step() if stepped else []
-        if stepped or changed:
+        outputs = core.step() if stepped or kv_pending else []
+        # (a step that only waited for KV transfers changed nothing the API process needs to hear of)
+        if (stepped and not (core.scheduler.connector is not None and core.last_step_idle)) or changed or (
+                kv_pending and core.kv_transfers_changed):
             stats = core.make_stats()
             stats.num_added = num_added
             msg = [OUTPUTS_TAG, encode(EngineCoreOutputs(outputs, rejected, stats,

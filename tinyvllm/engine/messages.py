@@ -92,6 +92,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache: PrefixCacheReport | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..P-1, with the first output token
     num_cached_tokens_tier: int = 0  # the part of num_cached_tokens loaded from the KV offload tier
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: what a decode engine needs to pull this request's KV
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -123,6 +124,9 @@ class EngineCoreReady(msgspec.Struct):
         num_kv_blocks / block_size: the KV pool.
         load_seconds: model load and KV allocation time.
         served_name: the model's own name.
+        dtype: the weights' and KV cache's dtype (``bfloat16``, ``float32``...).
+        quantization: how the linears run: ``none`` (dense weights in ``dtype``) or ``gguf`` (on the
+            GGUF file's quantized blocks, :mod:`tinyvllm.model.gguf_quant`).
     """
 
     pid: int
@@ -133,6 +137,8 @@ class EngineCoreReady(msgspec.Struct):
     block_size: int
     load_seconds: float
     served_name: str
+    dtype: str = ""
+    quantization: str = ""
 
 
 class EngineCoreError(msgspec.Struct):

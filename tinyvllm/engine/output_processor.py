@@ -120,6 +120,7 @@ class _RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens_tier: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -202,6 +203,8 @@ class OutputProcessor:
             if o.prefix_cache is not None and (st.prefix_cache is None or s.index == 0):
                 st.prefix_cache = o.prefix_cache
             st.num_cached_tokens_tier = max(st.num_cached_tokens_tier, o.num_cached_tokens_tier)
+            if o.kv_transfer_params is not None:
+                st.kv_transfer_params = o.kv_transfer_params
             new_ids, new_lps = o.new_token_ids, o.new_logprobs
             # A token that finished the request by id (EOS / stop_token_ids) adds no text.
             text_ids = new_ids
@@ -275,4 +278,4 @@ class OutputProcessor:
             st.prompt_logprobs_sent = st.prompt_logprobs_sent or prompt_lps is not None
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, outs, st.finished,
                              st.num_cached_tokens, st.metrics, kv_cost, st.prefix_cache, prompt_lps,
-                             st.num_cached_tokens_tier)
+                             st.num_cached_tokens_tier, st.kv_transfer_params)

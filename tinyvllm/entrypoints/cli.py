@@ -144,7 +144,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     benchmark modules) only when ``argv``'s command is ``bench``."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # the top level has no valued options
+    from tinyvllm import __version__
+
     parser = argparse.ArgumentParser(prog="tinyvllm", description="tinyvllm: LLM inference engine and server")
+    parser.add_argument("--version", action="version", version=f"tinyvllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=_FMT)

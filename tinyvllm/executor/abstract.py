@@ -51,6 +51,11 @@ class Executor(ABC):
         tier kept from a previous run (see :meth:`tinyvllm.worker.worker.Worker.initialize_kv_offload`)."""
         raise NotImplementedError(f"{type(self).__name__} has no KV offload tier")
 
+    def initialize_kv_connector(self, engine_id: str) -> dict:
+        """Start the worker half of the KV connector on every worker; return what the scheduler half needs
+        (see :meth:`tinyvllm.worker.worker.Worker.initialize_kv_connector`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no KV connector")
+
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers and return the sampled tokens."""

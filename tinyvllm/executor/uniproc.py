@@ -31,5 +31,12 @@ class UniProcExecutor(Executor):
     def initialize_kv_offload(self, num_slots: int, path: str | None = None) -> list[tuple[int, int]]:
         return self.worker.initialize_kv_offload(num_slots, path)
 
+    def initialize_kv_connector(self, engine_id: str) -> dict:
+        return self.worker.initialize_kv_connector(engine_id)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.worker.kv_connector is not None:
+            self.worker.kv_connector.shutdown()

@@ -41,6 +41,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in the draft (0-based);
             ``spec_decode_num_draft_tokens_per_pos``: drafts that had that position (the draft length varies).
         spec_decode_propose_seconds: time the proposer took, summed (seconds, float).
+    KV connector (P/D disaggregation; all zero without one):
+        kv_transfer_recv_requests / kv_transfer_recv_bytes / kv_transfer_recv_seconds: requests whose prompt KV
+            was pulled from another engine, the bytes, and the transfer time (seconds, float).
+        kv_transfer_failed_requests: pulls that failed (those requests recomputed their prompt).
+        kv_transfer_sent_requests: requests whose blocks another engine pulled (or released);
+            kv_transfer_expired_requests: kept blocks freed because nobody pulled them within the TTL.
     """
 
     num_running: int = 0
@@ -71,6 +77,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
     spec_decode_num_draft_tokens_per_pos: list[int] = []
     spec_decode_propose_seconds: float = 0.0
+    kv_transfer_recv_requests: int = 0
+    kv_transfer_recv_bytes: int = 0
+    kv_transfer_recv_seconds: float = 0.0
+    kv_transfer_failed_requests: int = 0
+    kv_transfer_sent_requests: int = 0
+    kv_transfer_expired_requests: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

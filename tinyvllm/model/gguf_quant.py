@@ -485,7 +485,12 @@ def load_native(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]
                             "unsupported": [tuple(u) for u in meta["unsupported"]], "quantized": meta["quantized"]}
         except Exception as e:  # noqa: BLE001 - corrupt: rebuild
             logger.warning("native GGUF cache %s unreadable (%s); rebuilding it", path, e)
+    import time
+
+    t0 = time.monotonic()
+    logger.info("repacking the GGUF blocks of %s for the native kernels (first run) ...", Path(gguf_path).name)
     out = _read_gguf(gguf_path, n_head, n_kv)
+    logger.info("repacked the GGUF blocks in %.1fs", time.monotonic() - t0)
     meta = {"key": key, "lm_head_tied": out["lm_head_tied"], "unsupported": out["unsupported"],
             "quantized": out["quantized"],
             "entries": {n: _cache_entry(w) for n, w in out["weights"].items()}}

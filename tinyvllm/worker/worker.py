@@ -7,9 +7,9 @@ next round). A worker's inputs and outputs are data (a
 :class:`~tinyvllm.scheduler_output.SchedulerOutput` in, a
 :class:`~tinyvllm.outputs.ModelRunnerOutput` out), so either placement works.
 
-KV-connector hook (next round, P/D disaggregation and KV offload): the worker
-half of a connector loads external KV into this worker's blocks before
-:meth:`execute_model` runs the forward, and saves finished blocks after it.
+KV-connector hook (P/D disaggregation, :mod:`tinyvllm.distributed.kv_transfer`): the worker
+half of a connector starts its loads before :meth:`execute_model` runs the forward, waits for
+its saves after it, and reports the transfers that completed with the step's output.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Worker:
         self.model = model
         self.model_runner: ModelRunner | None = None
         self.model_dir = Path(model_dir)
+        self.kv_connector = None  # the worker half of a KV connector (--kv-transfer-config), else None
 
     def model_info(self) -> ModelInfo:
         cfg = self.model.config
@@ -119,12 +120,50 @@ class Worker:
         runner.kv_offload = tier
         return tier.entries()
 
+    def initialize_kv_connector(self, engine_id: str) -> dict:
+        """Start the worker half of the configured KV connector over this worker's KV cache tensors; return
+        what its scheduler half needs (``side_channel_host`` / ``side_channel_port``).
+
+        Raises:
+            RuntimeError: before :meth:`initialize_kv_cache`.
+            ValueError: bad connector options; its side channel cannot be bound.
+        """
+        from tinyvllm.distributed.kv_transfer import KVConnectorRole, create_kv_connector
+
+        runner = self.model_runner
+        if runner is None:
+            raise RuntimeError("initialize_kv_cache must run before initialize_kv_connector")
+        mc = self.config.model_config
+        # Engines whose blocks are interchangeable share this: the model, its dtype and weights format, and
+        # every KV tensor's layout apart from the number of blocks.
+        layout = ";".join(f"{t.dtype}{list(t.shape[:1]) + list(t.shape[2:])}" for t in runner.kv_caches)
+        fingerprint = (f"{self.model_dir.name}|{self.dtype}|{getattr(self.model, 'quantization', 'none')}|"
+                       f"{mc.load_format}{'/' + str(mc.seed) if mc.load_format == 'dummy' else ''}|{layout}")
+        conn = create_kv_connector(self.config.cache_config.kv_transfer_config, KVConnectorRole.WORKER,
+                                   {"block_size": runner.block_size, "engine_id": engine_id,
+                                    "fingerprint": fingerprint})
+        conn.register_kv_caches(runner.kv_caches)
+        self.kv_connector = conn
+        return conn.handshake_info()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step.
+        """Run one step (with a KV connector: its loads are started before the forward, and the transfers
+        that completed are reported in ``kv_connector_output``).
 
         Raises:
             RuntimeError: before :meth:`initialize_kv_cache`.
         """
         if self.model_runner is None:
             raise RuntimeError("initialize_kv_cache must run before execute_model")
-        return self.model_runner.execute(scheduler_output)
+        conn = self.kv_connector
+        if conn is None:
+            return self.model_runner.execute(scheduler_output)
+        conn.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        conn.start_load_kv()
+        out = self.model_runner.execute(scheduler_output)
+        conn.wait_for_save()
+        if scheduler_output.is_empty:  # nothing computed: wait a moment for a transfer rather than spin
+            conn.wait_for_transfers(0.002)
+        out.kv_connector_output = conn.get_finished(set(scheduler_output.finished_req_ids))
+        conn.clear_connector_metadata()
+        return out

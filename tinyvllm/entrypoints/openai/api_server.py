@@ -5,7 +5,8 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (JSON or SSE streaming), ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic's Messages API,
-errors in Anthropic's shape), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+errors in Anthropic's shape), ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel`` (OpenAI's Responses API, stored in SQLite), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``GET /metrics`` (Prometheus), ``GET /version``, ``POST /reset_prefix_cache``, ``GET /dashboard`` (live
 engine dashboard, :mod:`tinyvllm.entrypoints.dashboard`).
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
@@ -50,6 +51,8 @@ from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tinyvllm.entrypoints.openai.serving_engine import error_body, error_response
 from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
+from tinyvllm.entrypoints.openai.responses_protocol import ResponsesRequest
+from tinyvllm.entrypoints.openai.serving_responses import OpenAIServingResponses, StoreConfig
 from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tinyvllm.metrics.prometheus import CONTENT_TYPE
 
@@ -91,20 +94,24 @@ DEFAULT_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, chat_template: str | None = None,
-              tool_call_parser: str | None = None, *, max_request_body_bytes: int | None = None,
+              tool_call_parser: str | None = None, *, reasoning_parser: str | None = None,
+              max_request_body_bytes: int | None = None,
               api_keys: list[str] | None = None, open_paths: list[str] | tuple[str, ...] = DEFAULT_OPEN_PATHS,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, responses_store: StoreConfig | None = None) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLM`.
 
     Args:
         engine: the started engine.
         served_model_names: names the model answers to (default: the engine's).
         chat_template: Jinja text that replaces the model's chat template.
-        tool_call_parser: the model's tool-call format (``hermes``).
+        tool_call_parser: the model's tool-call format (``hermes``, ``mistral``, ``pythonic``,
+            ``llama3_json``, or ``auto``: from the chat template).
+        reasoning_parser: ``qwen3`` (or ``deepseek_r1``): the thinking comes back as ``reasoning_content``.
         max_request_body_bytes: larger request bodies get 413 (None: no cap).
         api_keys: when given, every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (401).
         open_paths: paths served without a key.
         allowed_origins: CORS origins (``["*"]`` for any); None or empty: no CORS headers.
+        responses_store: where and how much ``/v1/responses`` stores (default: in memory, default bounds).
     """
     app = FastAPI(title="tinyvllm", version=tinyvllm.__version__, docs_url=None, redoc_url=None)
     # Added innermost first: CORS (outermost, so 401 / 413 / 500 answers carry its headers too), then the
@@ -117,9 +124,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
                            allow_headers=["*"], allow_credentials=False)
     serving_models = OpenAIServingModels(engine, served_model_names)
     completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, tool_call_parser, reasoning_parser)
     tokenization = OpenAIServingTokenization(engine, served_model_names)
     messages_api = AnthropicServingMessages(chat)
+    responses_api = OpenAIServingResponses(chat, responses_store, auth_enabled=bool(api_keys))
+    app.state.responses = responses_api
     app.state.engine = engine
     add_dashboard_routes(app, engine)  # GET /dashboard, /dashboard/events
 
@@ -173,6 +182,23 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(req: CountTokensRequest) -> Response:
         return await messages_api.count_tokens(req)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API (translated onto the chat path; stored, continuable)."""
+        return await responses_api.create(req, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str, raw: Request) -> Response:
+        return await responses_api.retrieve(response_id, raw)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str, raw: Request) -> Response:
+        return await responses_api.delete(response_id, raw)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str, raw: Request) -> Response:
+        return await responses_api.cancel(response_id, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
@@ -250,13 +276,20 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         except EngineStartError as e:
             logger.error("%s", e)
             return 1
-        api_key = args.api_key or envs.TINYVLLM_API_KEY
+        api_keys = args.api_key or ([envs.TINYVLLM_API_KEY] if envs.TINYVLLM_API_KEY else None)
+        if isinstance(api_keys, str):
+            api_keys = [api_keys]
+        store_path = getattr(args, "responses_store_path", None) or str(envs.TINYVLLM_CACHE / "responses.sqlite")
+        store = StoreConfig(store_path, getattr(args, "responses_store_max_count", 10_000),
+                            getattr(args, "responses_store_max_bytes", 256 << 20),
+                            getattr(args, "responses_store_ttl", 7 * 86400.0))
         template_path = getattr(args, "chat_template", None)
         template = Path(template_path).read_text() if template_path else None
         app = build_app(engine, served, template, getattr(args, "tool_call_parser", None),
+                        reasoning_parser=getattr(args, "reasoning_parser", None),
                         max_request_body_bytes=args.max_request_body_bytes or None,
-                        api_keys=[api_key] if api_key else None, open_paths=args.open_paths,
-                        allowed_origins=args.allowed_origins)
+                        api_keys=api_keys, open_paths=args.open_paths,
+                        allowed_origins=args.allowed_origins, responses_store=store)
         level = args.log_level.lower()
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level, access_log=level == "debug",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5, lifespan="off")
@@ -274,8 +307,11 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
         except OSError as e:
             logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
             return 1
-        logger.info("serving %s on http://%s:%d (engine core pid %d)", engine.model_name, args.host,
-                    sock.getsockname()[1], engine.engine_pid)
+        info = engine.engine_info
+        logger.info("serving %s on http://%s:%d (%s, quantization %s, KV cache %d tokens, max_model_len %d; "
+                    "engine core pid %d)", engine.model_name, args.host, sock.getsockname()[1], info.dtype or "?",
+                    info.quantization or "?", info.num_kv_blocks * info.block_size, engine.max_model_len,
+                    engine.engine_pid)
         await server.serve(sockets=[sock])
         return 0 if server.started and not died else 1
     finally:

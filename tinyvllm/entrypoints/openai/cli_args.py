@@ -21,8 +21,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model is served under (none: the model's name); the first is reported")
     EngineArgs.add_cli_args(g, group="server")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on every path but --open-paths "
+    g.add_argument("--api-key", default=None, nargs="+",
+                   help="require 'Authorization: Bearer <key>' on every path but --open-paths; several keys: any "
+                        "one is accepted (a stored /v1/responses response is visible only with its own key) "
                         "(default: $TINYVLLM_API_KEY; unset: no key)")
     g.add_argument("--open-paths", nargs="*", default=["/health", "/metrics", "/version"],
                    help="paths served without the API key")
@@ -33,8 +34,26 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="PATH",
                    help="Jinja chat template replacing the model's (default: the model's; for requests with "
                         "tools, tinyvllm's Hermes-style template when the model's ignores tools)")
-    g.add_argument("--tool-call-parser", default="hermes", choices=["hermes"],
-                   help="format of the model's tool calls: <tool_call>{\"name\", \"arguments\"}</tool_call>")
+    g.add_argument("--tool-call-parser", default="hermes",
+                   choices=["hermes", "mistral", "pythonic", "llama3_json", "auto"],
+                   help="format of the model's tool calls (vLLM's names): hermes <tool_call>{...}</tool_call> "
+                        "(Qwen2.5, Qwen3; the default), mistral [TOOL_CALLS][...], pythonic [f(a=1)], "
+                        "llama3_json {\"name\", \"parameters\"}; auto: chosen from the chat template "
+                        "(docs/tools-and-reasoning.md)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; tool_choice 'auto' is always available here")
+    g.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return the model's <think>...</think> as reasoning_content (vLLM's names); "
+                        "default: none (the thinking stays in the content)")
+    g.add_argument("--responses-store-path", default=None, metavar="PATH",
+                   help="SQLite file of the /v1/responses store (stored responses survive a restart); ':memory:' "
+                        "keeps them in the server process only (default: $TINYVLLM_CACHE/responses.sqlite)")
+    g.add_argument("--responses-store-max-count", type=int, default=10_000,
+                   help="most stored responses (least recently used evicted first); default 10000")
+    g.add_argument("--responses-store-max-bytes", type=int, default=256 << 20,
+                   help="most bytes of stored responses (least recently used evicted first); default 256 MiB")
+    g.add_argument("--responses-store-ttl", type=float, default=7 * 86400.0, metavar="SECONDS",
+                   help="a stored response unused this long expires; default 604800 (7 days)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
                    help="log level of the server and engine")
 
@@ -61,6 +80,13 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--port-file {args.port_file!r} is a directory")
         if not os.path.isdir(parent):
             raise ValueError(f"--port-file {args.port_file!r}: the directory {parent!r} does not exist")
+    for flag in ("responses_store_max_count", "responses_store_max_bytes", "responses_store_ttl"):
+        value = getattr(args, flag, None)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    store_path = getattr(args, "responses_store_path", None)
+    if store_path and store_path != ":memory:" and os.path.isdir(store_path):
+        raise ValueError(f"--responses-store-path {store_path!r} is a directory (give a file path)")
     template = getattr(args, "chat_template", None)
     if template is not None:
         if not os.path.isfile(template):

@@ -5,7 +5,8 @@ Pure ASGI (no ``BaseHTTPMiddleware``), so streaming responses pass through untou
 * :class:`GuardMiddleware` gives every request an id (its ``X-Request-Id`` header, else a new one), answers
   ``413`` when the body exceeds ``max_body_bytes`` (``Content-Length`` checked up front; a chunked body is
   counted as it arrives), and turns any exception a handler lets escape into one log line naming the request
-  id and an OpenAI-style ``500`` body. Nothing is re-raised, so the server logs no second traceback and keeps
+  id and an OpenAI-style ``500`` body (on the Messages API's paths, 413 and 500 are in Anthropic's shape).
+  Nothing is re-raised, so the server logs no second traceback and keeps
   the connection alive (Starlette's own ``Exception`` handler re-raises after answering).
 * :class:`APIKeyMiddleware` requires ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``) on every path except the open ones
   (``/health``, ``/metrics``, ``/version`` by default), compared in constant time (:func:`hmac.compare_digest`),
@@ -37,14 +38,28 @@ _encoder = msgspec.json.Encoder()
 _TYPES = {401: "AuthenticationError", 413: "BadRequestError", 500: "InternalServerError"}
 
 
-def _error_bytes(message: str, status: int, param: str | None = None) -> bytes:
+# Anthropic's error types (the Messages API's paths answer in Anthropic's shape)
+_ANTHROPIC_TYPES = {401: "authentication_error", 413: "request_too_large", 500: "api_error"}
+
+
+def _error_bytes(message: str, status: int, param: str | None = None, anthropic: bool = False) -> bytes:
+    if anthropic:
+        return _encoder.encode({"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                                           "message": message}})
     return _encoder.encode({"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param,
                                       "code": status}})
 
 
-async def send_error(send: Send, message: str, status: int, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """Send a complete JSON error response ``{"error": {...}}`` with ``status``."""
-    body = _error_bytes(message, status)
+def is_anthropic_path(scope: Scope) -> bool:
+    """Whether the request is to Anthropic's Messages API (answered in Anthropic's error shape)."""
+    return str(scope.get("path", "")).startswith("/v1/messages")
+
+
+async def send_error(send: Send, message: str, status: int, headers: Iterable[tuple[bytes, bytes]] = (),
+                     anthropic: bool = False) -> None:
+    """Send a complete JSON error response with ``status``: ``{"error": {...}}`` (OpenAI's shape) or, with
+    ``anthropic``, ``{"type": "error", "error": {"type", "message"}}``."""
+    body = _error_bytes(message, status, anthropic=anthropic)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
@@ -108,13 +123,15 @@ class GuardMiddleware:
             return
         rid = (_header(scope, b"x-request-id") or b"").decode("latin-1")[:128] or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
+        anthropic = is_anthropic_path(scope)
         limit = self.max_body_bytes
         if limit is not None:
             length = _header(scope, b"content-length")
             if length is not None and length.isdigit() and int(length) > limit:
                 await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
                 await send_error(send, f"request body too large: {int(length)} bytes "
-                                       f"(max_request_body_bytes={limit})", 413, [(b"connection", b"close")])
+                                       f"(max_request_body_bytes={limit})", 413, [(b"connection", b"close")],
+                                 anthropic)
                 return
         started = False
         received = 0
@@ -136,7 +153,7 @@ class GuardMiddleware:
                 if message["type"] == "http.response.start" and not started:
                     started = True
                     await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
-                    await send_error(send, too_large[0], 413, [(b"connection", b"close")])
+                    await send_error(send, too_large[0], 413, [(b"connection", b"close")], anthropic)
                 return
             if message["type"] == "http.response.start":
                 started = True
@@ -147,13 +164,14 @@ class GuardMiddleware:
         except BodyTooLarge as e:
             if not started:
                 await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
-                await send_error(send, str(e), 413, [(b"connection", b"close")])
+                await send_error(send, str(e), 413, [(b"connection", b"close")], anthropic)
         except Exception as e:  # noqa: BLE001 - the one place unhandled errors end
             logger.error("unhandled error on %s %s (request id %s): %s: %s", scope.get("method"),
                          scope.get("path"), rid, type(e).__name__, e)
             logger.debug("traceback of request %s:\n%s", rid, "".join(traceback.format_exception(e)))
             if not started:
-                await send_error(send, f"internal server error ({type(e).__name__}); request id {rid}", 500)
+                await send_error(send, f"internal server error ({type(e).__name__}); request id {rid}", 500,
+                                 anthropic=anthropic)
 
 
 class APIKeyMiddleware:
@@ -186,11 +204,4 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "invalid or missing API key (send the header Authorization: Bearer <key> or x-api-key: <key>)"
-        if str(scope.get("path", "")).startswith("/v1/messages"):  # Anthropic's error shape
-            body = _encoder.encode({"type": "error", "error": {"type": "authentication_error", "message": message}})
-            await send({"type": "http.response.start", "status": 401,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode()), (b"www-authenticate", b"Bearer")]})
-            await send({"type": "http.response.body", "body": body})
-            return
-        await send_error(send, message, 401, [(b"www-authenticate", b"Bearer")])
+        await send_error(send, message, 401, [(b"www-authenticate", b"Bearer")], is_anthropic_path(scope))

@@ -167,6 +167,9 @@ class _SamplingFields(OpenAIBaseModel):
     # vLLM's extension: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": EBNF}
     structured_outputs: dict[str, Any] | None = None
     cache_salt: str | None = None  # vLLM's field: isolates this request's prefix-cache / offload blocks
+    # vLLM's field (P/D disaggregation behind vllm-router): {"do_remote_decode": true} on a prefill request,
+    # the prefill response's kv_transfer_params on a decode request (docs/disaggregation.md).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _check_unsupported(self) -> None:
         for name, reason in UNSUPPORTED_FIELDS.items():
@@ -212,8 +215,22 @@ class _SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
-            logit_bias=self.logit_bias, structured_outputs=structured, cache_salt=self.cache_salt, **kw,
+            logit_bias=self.logit_bias, structured_outputs=structured, cache_salt=self.cache_salt,
+            extra_args=self._kv_transfer_extra_args(), **kw,
         )
+
+    def _kv_transfer_extra_args(self) -> dict[str, Any] | None:
+        """``kv_transfer_params`` as ``SamplingParams.extra_args`` (vLLM's place for them), checked."""
+        p = self.kv_transfer_params
+        if p is None:
+            return None
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if p.get(key) is not None and not isinstance(p[key], bool):
+                raise InvalidRequestError(f"kv_transfer_params.{key} must be a boolean", "kv_transfer_params")
+        if self.n != 1:  # n samples: each engine computes the prompt itself (the tokens are the same either way)
+            logger.info("kv_transfer_params ignored for a request with n = %d", self.n)
+            return None
+        return {"kv_transfer_params": dict(p)}
 
     @property
     def include_usage(self) -> bool:
@@ -271,6 +288,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Passed to the chat template as enable_thinking (Qwen3's switch), as chat_template_kwargs would be.
+    enable_thinking: bool | None = None
     # OpenAI: {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None

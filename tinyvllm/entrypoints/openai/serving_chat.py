@@ -19,8 +19,8 @@ from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, SSE_DONE
                                                         run_blocking, run_until_disconnect, sse, status_of,
                                                         usage_info)
 from tinyvllm.entrypoints.openai.serving_engine import cached_of
-from tinyvllm.entrypoints.openai.tool_calls import (HermesToolParser, StreamingToolCallParser, check_tool_choice,
-                                                    check_tools, tool_structural_tag)
+from tinyvllm.entrypoints.openai.chat_output import ChatOutputParser
+from tinyvllm.entrypoints.openai.tool_calls import check_tool_choice, check_tools, tool_grammar
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SamplingParams
 
@@ -70,11 +70,20 @@ class OpenAIServingChat(OpenAIServing):
         tools = check_tools(req.tools) if req.tools is not None else None
         choice = check_tool_choice(req.tool_choice, tools)
         use_tools = choice not in (None, "none")  # tools shown to the model, calls parsed
-        tag = tool_structural_tag(tools, choice, req.parallel_tool_calls is not False) if use_tools else None
+        ids: list[int] | None = None
+        tag = None
+        if use_tools:  # the grammar in the parser's format, after a reasoning block if the prompt opened one
+            ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message, tools)
+            prefix = (self.reasoning_parser.grammar_prefix(self.prompt_opens_thought(ids))
+                      if self.reasoning_parser is not None else None)
+            tag = tool_grammar(self.tool_parser(), tools, choice, req.parallel_tool_calls is not False, prefix)
         params = req.to_sampling_params(tag)
         await self.check_structured_outputs(params, req.structured_outputs_and_param(tag)[1])
-        ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
-                                 req.continue_final_message, tools if use_tools else None)
+        if ids is None:
+            ids = await run_blocking(self._chat_prompt_ids, req, req.messages, req.add_generation_prompt,
+                                     req.continue_final_message, None)
+        self.keep_marker_tokens(params, use_tools)
         return params, ids, use_tools
 
     async def prepare_chat(self, req: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl-"
@@ -92,7 +101,8 @@ class OpenAIServingChat(OpenAIServing):
                          use_tools: bool = False) -> Response:
         prompt_lps: dict[int, list] = {}
         try:
-            choices, cached = await collect([stream], params.n, tracker, prompt_lps)
+            kv_params: dict = {}
+            choices, cached = await collect([stream], params.n, tracker, prompt_lps, kv_params)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -100,9 +110,12 @@ class OpenAIServingChat(OpenAIServing):
             lp = self._chat_logprobs(ch.token_ids, ch.logprobs, top_n) if top_n is not None else None
             message: dict = {"role": "assistant", "content": ch.text}
             finish = ch.finish_reason
-            if use_tools:  # an unfinished call (cut by max_tokens) is dropped, never left in the content
-                content, calls = HermesToolParser().extract(ch.text)
+            if (parser := self.output_parser(ids, use_tools)) is not None:
+                # an unfinished call (cut by max_tokens) is dropped, never left in the content
+                reasoning, content, calls = parser.parse(ch.text)
                 message = {"role": "assistant", "content": content if content is not None or ch.text else ""}
+                if parser.reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 if calls:
                     message["tool_calls"] = [c.as_openai() for c in calls]
                     if finish == "stop":
@@ -114,13 +127,16 @@ class OpenAIServingChat(OpenAIServing):
                 "choices": out_choices, "usage": usage}
         if params.prompt_logprobs is not None:  # vLLM's extension, at the top level for chat
             body["prompt_logprobs"] = self.prompt_logprobs_json(prompt_lps.get(0) or [])
+        if kv_params:  # P/D disaggregation: what the decode engine needs (vLLM's field)
+            body["kv_transfer_params"] = kv_params
         return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _chat_stream(self, req: ChatCompletionRequest, params: SamplingParams, ids: list[int],
                            stream: RequestStream, request_id: str, model: str, created: int, top_n: int | None,
                            use_tools: bool = False) -> AsyncIterator[bytes]:
         include_usage = req.include_usage
-        parsers = {i: StreamingToolCallParser() for i in range(params.n)} if use_tools else {}
+        parsers: dict[int, ChatOutputParser | None] = {i: self.output_parser(ids, use_tools)
+                                                       for i in range(params.n)}
         completion_tokens = 0
         cached = 0
         tracker = UsageTracker(1, self.tokenizer, req.prefix_cache_debug, request_id)
@@ -144,10 +160,12 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if top_n is not None and c.logprobs:
                         lp = self._chat_logprobs(c.token_ids, c.logprobs, top_n)
-                    text, finish = c.text, c.finish_reason
-                    if use_tools:
-                        parser = parsers[c.index]
-                        text, call_chunks = parser.feed(c.text, final=finish is not None)
+                    text, finish, reasoning = c.text, c.finish_reason, ""
+                    if (parser := parsers[c.index]) is not None:
+                        reasoning, text, call_chunks = parser.feed(c.text, final=finish is not None)
+                        if reasoning:  # vLLM's delta field for the thinking
+                            yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning},
+                                          "logprobs": None, "finish_reason": None}])
                         for calls in call_chunks:
                             yield chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
                                           "finish_reason": None}])

@@ -124,7 +124,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_lps: dict[int, list] = {}
         try:
             tracker = UsageTracker(len(prompts), self.tokenizer, req.prefix_cache_debug, request_id)
-            choices, cached = await collect(streams, n, tracker, prompt_lps)
+            kv_params: dict = {}
+            choices, cached = await collect(streams, n, tracker, prompt_lps, kv_params)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         out_choices = []
@@ -144,9 +145,11 @@ class OpenAIServingCompletion(OpenAIServing):
             out_choices.append(choice)
         usage = tracker.extend(usage_info(sum(len(ids) for _, ids in prompts),
                                           sum(len(ch.token_ids) for ch in choices.values()), cached))
-        return Response(json_encoder.encode({"id": request_id, "object": "text_completion", "created": created,
-                                      "model": model, "choices": out_choices, "usage": usage}),
-                        media_type="application/json")
+        body = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                "choices": out_choices, "usage": usage}
+        if kv_params:  # P/D disaggregation: what the decode engine needs (vLLM's field)
+            body["kv_transfer_params"] = kv_params
+        return Response(json_encoder.encode(body), media_type="application/json")
 
     async def _completion_stream(self, req: CompletionRequest, params: SamplingParams, prompts: list, streams: list,
                                  request_id: str, model: str, created: int) -> AsyncIterator[bytes]:

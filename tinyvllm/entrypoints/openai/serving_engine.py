@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -194,11 +195,13 @@ def _accumulate(ch: Choice, c: Any) -> None:
 
 
 async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | None = None,
-                  prompt_logprobs: dict[int, list] | None = None) -> tuple[dict[int, Choice], int]:
+                  prompt_logprobs: dict[int, list] | None = None,
+                  kv_transfer_params: dict | None = None) -> tuple[dict[int, Choice], int]:
     """Fold every delta of ``streams`` (``n`` samples each) into choices ``prompt index * n + sample``;
     returns them and the prompt tokens served from the prefix cache. Aborts the streams when done.
     ``usage`` (if given) observes every output (KV cost, prefix-cache report); ``prompt_logprobs`` (if
-    given) is filled with prompt index -> the request's prompt logprobs."""
+    given) is filled with prompt index -> the request's prompt logprobs; ``kv_transfer_params`` (if given)
+    with the engine's ``kv_transfer_params`` for the response (P/D disaggregation)."""
     choices = {i: Choice() for i in range(len(streams) * n)}
     cached = [0] * len(streams)
     try:
@@ -209,6 +212,8 @@ async def collect(streams: list[RequestStream], n: int, usage: UsageTracker | No
                     usage.observe(pi, out)
                 if prompt_logprobs is not None and out.prompt_logprobs is not None:
                     prompt_logprobs[pi] = out.prompt_logprobs
+                if kv_transfer_params is not None and out.kv_transfer_params:
+                    kv_transfer_params.update(out.kv_transfer_params)
                 for c in out.outputs:
                     _accumulate(choices[pi * n + c.index], c)
     finally:
@@ -294,6 +299,23 @@ def _check_tool_call_id(i: int, call_id: str | None, known: set[str]) -> None:
                                   f"message (known: {', '.join(sorted(known)[:8]) or 'none'})", param)
 
 
+def _decoded_arguments(call: Any) -> Any:
+    """A history tool call with its ``function.arguments`` JSON text decoded to an object, as vLLM hands
+    them to chat templates (Llama 3's and Gemma's write the arguments with ``tojson`` or item by item;
+    Qwen's accept either). Text that is not a JSON object is left as it is."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(obj, dict):
+            return {**call, "function": {**call["function"], "arguments": obj}}
+    return call
+
+
 # ----------------------------------------------------------------------------- base
 
 
@@ -301,15 +323,73 @@ class OpenAIServing:
     """The base of the endpoint classes, over one :class:`AsyncLLM`."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str] | None = None,
-                 chat_template: str | None = None, tool_call_parser: str | None = None) -> None:
+                 chat_template: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """``chat_template``: Jinja text replacing the model's (``--chat-template``); ``tool_call_parser``:
-        the format of the model's tool calls (``--tool-call-parser``; ``hermes``, the default)."""
+        the format of the model's tool calls (``--tool-call-parser``: ``hermes``, the default, ``mistral``,
+        ``pythonic``, ``llama3_json``, or ``auto``, chosen from the chat template); ``reasoning_parser``:
+        ``--reasoning-parser`` (``qwen3``; None: the thinking stays in the content)."""
+        from tinyvllm.entrypoints.openai.reasoning import get_reasoning_parser
+        from tinyvllm.entrypoints.openai.tool_parsers import get_tool_parser, select_tool_parser
+
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names or [engine.model_name]
         self.model_name = self.served_model_names[0]
         self.chat_template = chat_template
-        self.tool_call_parser = tool_call_parser or "hermes"
+        name = tool_call_parser or "hermes"
+        if name == "auto":
+            name = select_tool_parser(self._template_text())
+            logger.info("--tool-call-parser auto: %s (from the chat template)", name)
+        get_tool_parser(name)  # a bad name fails here, at start
+        self.tool_call_parser = name
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
+    def _template_text(self) -> str:
+        """The chat template's text (``--chat-template`` or the model's; every named template of a model
+        that has several)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        own = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(own, dict):
+            return "\n".join(str(v) for v in own.values())
+        return own if isinstance(own, str) else ""
+
+    def tool_parser(self):  # -> ToolParser
+        """A parser of the server's tool-call format (a fresh one: it makes the calls' ids)."""
+        from tinyvllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+        return get_tool_parser(self.tool_call_parser)
+
+    def prompt_opens_thought(self, ids: list[int]) -> bool:
+        """Whether the prompt ``ids`` end inside an open reasoning block (the template started the
+        thought); False without a reasoning parser."""
+        if self.reasoning_parser is None or not ids:
+            return False
+        tail = self.tokenizer.decode(ids[-32:], skip_special_tokens=False)
+        return self.reasoning_parser.prompt_opens(tail)
+
+    def output_parser(self, ids: list[int], use_tools: bool):  # -> ChatOutputParser | None
+        """A parser of one choice's output (reasoning, then tool calls), for the prompt ``ids``; None when
+        there is nothing to parse (no reasoning parser, no tools)."""
+        from tinyvllm.entrypoints.openai.chat_output import ChatOutputParser
+
+        if self.reasoning_parser is None and not use_tools:
+            return None
+        return ChatOutputParser(self.reasoning_parser, self.prompt_opens_thought(ids),
+                                self.tool_parser() if use_tools else None)
+
+    def keep_marker_tokens(self, params: SamplingParams, use_tools: bool) -> None:
+        """Turn ``skip_special_tokens`` off when a marker the parsers read (``[TOOL_CALLS]``,
+        ``<|python_tag|>``, ``<think>``) is a special token of this tokenizer: the text must keep it."""
+        markers: list[str] = []
+        if use_tools:
+            markers += self.tool_parser().markers
+        if self.reasoning_parser is not None:
+            markers += [self.reasoning_parser.start, self.reasoning_parser.end]
+        special = set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
+        if any(m in special for m in markers):
+            params.skip_special_tokens = False
 
     async def check_structured_outputs(self, params: SamplingParams, param: str) -> None:
         """Raise ``GrammarError`` (a 400 naming ``param``) unless the request's constraint compiles.
@@ -326,12 +406,13 @@ class OpenAIServing:
 
     def _template_for(self, msgs: list[dict], tools: list[dict] | None) -> str | None:
         """The chat template to render with: ``--chat-template`` if given; tinyvllm's tool-capable
-        template when the request has tools or tool messages and the model's template ignores them."""
+        (Hermes) template when the request has tools or tool messages, the model's template ignores them
+        and the tool-call parser is ``hermes``."""
         if self.chat_template is not None:
             return self.chat_template
         needs_tools = bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in msgs)
         own = self.tokenizer.chat_template
-        if needs_tools and (not isinstance(own, str) or "tool" not in own):
+        if needs_tools and self.tool_call_parser == "hermes" and (not isinstance(own, str) or "tool" not in own):
             from tinyvllm.entrypoints.openai.tool_calls import builtin_tool_template
 
             return builtin_tool_template()
@@ -379,6 +460,7 @@ class OpenAIServing:
             if d["role"] == "assistant" and isinstance(d.get("tool_calls"), list):
                 call_ids.update(c["id"] for c in d["tool_calls"]
                                 if isinstance(c, dict) and isinstance(c.get("id"), str))
+                d["tool_calls"] = [_decoded_arguments(c) for c in d["tool_calls"]]
             elif d["role"] == "tool":
                 _check_tool_call_id(i, d.get("tool_call_id"), call_ids)
             if d["role"] == "developer":
@@ -387,6 +469,15 @@ class OpenAIServing:
         if isinstance(req, ChatCompletionRequest):  # /tokenize has no context limit to meet
             self.check_text_length(chars, "messages")
         kwargs = dict(req.chat_template_kwargs or {})
+        top = getattr(req, "enable_thinking", None)  # the top-level field some clients send
+        if top is not None:
+            if kwargs.get("enable_thinking", top) != top:
+                raise InvalidRequestError("enable_thinking and chat_template_kwargs.enable_thinking disagree",
+                                          "enable_thinking")
+            kwargs["enable_thinking"] = top
+        if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+            raise InvalidRequestError("chat_template_kwargs.enable_thinking must be a boolean (true or false)",
+                                      "chat_template_kwargs.enable_thinking")
         if continue_final_message:
             if msgs[-1]["role"] != "assistant":
                 raise InvalidRequestError("continue_final_message needs a final assistant message", "messages")

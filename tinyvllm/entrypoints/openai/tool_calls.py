@@ -1,22 +1,24 @@
-"""Tool calling: the request's ``tools`` / ``tool_choice`` checked, turned into a grammar, and the
-model's Hermes-style output parsed back into OpenAI ``tool_calls``.
+"""Tool calling: the request's ``tools`` / ``tool_choice`` checked, turned into a grammar in the format of the
+server's tool-call parser, and the model's output parsed back into OpenAI ``tool_calls``.
 
-The model writes a call as (Hermes / Qwen / tinyvllm's own template,
-``templates/hermes_tool_chat.jinja``)::
+The formats and their parsers live in :mod:`tinyvllm.entrypoints.openai.tool_parsers` (``hermes``, the
+default; ``mistral``; ``pythonic``; ``llama3_json``; docs/tools-and-reasoning.md). With ``hermes`` the
+model writes a call as (Hermes / Qwen / tinyvllm's own template, ``templates/hermes_tool_chat.jinja``)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 * ``tool_choice="required"`` or a named function: the whole output is one call (or, with
-  ``parallel_tool_calls``, several separated by newlines) whose arguments follow the tool's JSON
-  schema, by construction (an xgrammar structural tag, ``tags_with_separator``);
-* ``"auto"``: free text, and the text ``<tool_call>`` triggers the grammar of a call
-  (``triggered_tags``, xgrammar's lazy grammar); the arguments then follow the schema too;
+  ``parallel_tool_calls``, several) whose arguments follow the tool's JSON schema, by construction (an
+  xgrammar structural tag in the parser's format);
+* ``"auto"``: free text, and the text that opens a call (``<tool_call>``, ``[TOOL_CALLS]``, ...) triggers
+  the grammar of a call (``triggered_tags``, xgrammar's lazy grammar); the arguments then follow the
+  schema too;
 * ``"none"``: the tools are not shown to the model and nothing is parsed.
 
-A call cut before its ``</tool_call>`` (``max_tokens``, a stop string) is dropped, in the content and
-in the stream alike: the call syntax never reaches ``content`` (README, issue 41).
+A call cut before its end (``max_tokens``, a stop string) is dropped, in the content and in the stream
+alike: the call syntax never reaches ``content`` (README, issue 41).
 """
 
 from __future__ import annotations
@@ -24,19 +26,19 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from tinyvllm.engine.input_processor import InvalidRequestError
-from tinyvllm.structured_output.tools import TOOL_CALL_END, TOOL_CALL_START, tool_structural_tag
+from tinyvllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, HermesToolParser, ParsedToolCall, ToolParser
+from tinyvllm.entrypoints.openai.tool_parsers import StreamingToolCallParser as _Driver
+from tinyvllm.structured_output.tools import tool_structural_tag
 
-__all__ = ["HermesToolParser", "StreamingToolCallParser", "builtin_tool_template", "check_tool_choice",
-           "check_tools", "tool_structural_tag"]
+__all__ = ["HermesToolParser", "ParsedToolCall", "StreamingToolCallParser", "builtin_tool_template",
+           "check_tool_choice", "check_tools", "tool_grammar", "tool_structural_tag"]
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = tuple(TOOL_PARSERS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_CALL_RE = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 
 
 def builtin_tool_template() -> str:
@@ -101,113 +103,26 @@ def check_tool_choice(tool_choice: Any, tools: list[dict] | None) -> str | None:
                               "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
 
 
+class StreamingToolCallParser(_Driver):
+    """The incremental tool-call parser of a stream (:class:`tool_parsers.StreamingToolCallParser`), over
+    ``parser`` or, by default, the Hermes format."""
+
+    def __init__(self, parser: ToolParser | None = None) -> None:
+        super().__init__(parser if parser is not None else HermesToolParser())
+
+
 def make_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-@dataclass
-class ParsedToolCall:
-    name: str
-    arguments: str  # JSON text
-    id: str
-
-    def as_openai(self, index: int | None = None) -> dict:
-        d: dict = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-        if index is not None:
-            d["index"] = index
-        return d
-
-
-def _parse_one(body: str) -> ParsedToolCall | None:
-    try:
-        obj = json.loads(body.strip())
-    except ValueError:
+def tool_grammar(parser: ToolParser, tools: list[dict], choice: Any, parallel: bool,
+                 prefix: dict | None = None) -> str | None:
+    """The xgrammar structural tag (JSON text) that constrains the output to ``parser``'s calls; None for
+    ``none``. ``prefix``: a format the output starts with first (a reasoning block, see
+    :func:`tinyvllm.entrypoints.openai.reasoning.reasoning_prefix`)."""
+    if choice in (None, "none"):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False), make_call_id())
-
-
-class HermesToolParser:
-    """Parses ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks out of the model's text."""
-
-    def extract(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """``(content, calls)``: the text outside the blocks (None if empty) and the parsed calls.
-
-        An unfinished call (a ``<tool_call>`` with no ``</tool_call>`` after it: the output was cut by
-        ``max_tokens`` or a stop string) is dropped, as is a partial ``<tool_call`` at the very end: the
-        call syntax never reaches the content. The complete calls before it are returned.
-        """
-        text = _drop_unfinished(text)
-        calls = [c for c in (_parse_one(m.group(1)) for m in _CALL_RE.finditer(text)) if c is not None]
-        if not calls:
-            return text or None, []
-        content = _CALL_RE.sub("", text).strip()
-        return content or None, calls
-
-
-def _drop_unfinished(text: str) -> str:
-    """``text`` without an unfinished call at its end (from its ``<tool_call>`` on) or a partial
-    ``<tool_call`` suffix."""
-    i = text.rfind(TOOL_CALL_START)
-    if i >= 0 and text.find(TOOL_CALL_END, i) < 0:
-        return text[:i].rstrip()
-    keep = _partial_suffix(text, TOOL_CALL_START)
-    return text[:len(text) - keep].rstrip() if keep else text
-
-
-class StreamingToolCallParser:
-    """Incremental form of :class:`HermesToolParser` for SSE: text before a ``<tool_call>`` streams as
-    content (a partial ``<tool_call`` at the end is held back); each call is sent once complete, as
-    OpenAI sends them: a first delta with ``index``, ``id``, ``type`` and the name (arguments ``""``),
-    then the arguments."""
-
-    def __init__(self) -> None:
-        self.buffer = ""
-        self.in_call = False
-        self.num_calls = 0
-
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[list[dict]]]:
-        """Add ``delta``; returns (content to send now, tool-call deltas to send, one list per chunk)."""
-        self.buffer += delta
-        content, chunks = "", []
-        while True:
-            if not self.in_call:
-                i = self.buffer.find(TOOL_CALL_START)
-                if i < 0:  # a partial "<tool_call" at the end: held back, dropped at the end of the output
-                    keep = _partial_suffix(self.buffer, TOOL_CALL_START)
-                    content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = "" if final else self.buffer[len(self.buffer) - keep:]
-                    break
-                content += self.buffer[:i]
-                self.buffer = self.buffer[i:]
-                self.in_call = True
-            j = self.buffer.find(TOOL_CALL_END)
-            if j < 0:
-                if final:  # an unfinished call (cut by max_tokens or a stop string): dropped
-                    self.buffer = ""
-                break
-            body = self.buffer[len(TOOL_CALL_START):j]
-            self.buffer = self.buffer[j + len(TOOL_CALL_END):].lstrip("\n")
-            self.in_call = False
-            call = _parse_one(body)
-            if call is None:
-                content += TOOL_CALL_START + body + TOOL_CALL_END
-                continue
-            idx = self.num_calls
-            self.num_calls += 1
-            chunks.append([{"index": idx, "id": call.id, "type": "function",
-                            "function": {"name": call.name, "arguments": ""}}])
-            chunks.append([{"index": idx, "function": {"arguments": call.arguments}}])
-        if self.num_calls and not content.strip():
-            content = ""  # the newlines between calls are not content
-        return content, chunks
-
-
-def _partial_suffix(text: str, token: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``token``."""
-    for n in range(min(len(token) - 1, len(text)), 0, -1):
-        if text.endswith(token[:n]):
-            return n
-    return 0
+    fmt = parser.grammar(tools, choice, parallel)
+    if prefix is not None:
+        fmt = {"type": "sequence", "elements": [prefix, fmt]}
+    return json.dumps({"type": "structural_tag", "format": fmt})

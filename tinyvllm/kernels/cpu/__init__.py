@@ -112,8 +112,14 @@ def cpu_kernels():
             def build_it():
                 from torch.utils.cpp_extension import load  # imports setuptools: only to build
 
-                return load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
+                import time
+
+                t0 = time.monotonic()
+                logger.info("building CPU kernels (first run, ~60-180 s) in %s ...", build)
+                module = load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
                             extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+                logger.info("built CPU kernels in %.1fs", time.monotonic() - t0)
+                return module
 
             _KERNEL = _build_locked(build, name, build_it)
     except Exception as e:  # no compiler, no ninja...

@@ -19,7 +19,7 @@ from tinyvllm.entrypoints.openai.anthropic.protocol import CountTokensRequest, M
 from tinyvllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from tinyvllm.entrypoints.openai.serving_engine import (REQUEST_ERRORS, cached_of, collect, json_encoder,
                                                         run_until_disconnect, status_of)
-from tinyvllm.entrypoints.openai.tool_calls import HermesToolParser, StreamingToolCallParser
+from tinyvllm.entrypoints.openai.tool_calls import StreamingToolCallParser
 
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -113,7 +113,7 @@ class AnthropicServingMessages:
         except REQUEST_ERRORS as e:
             return _exception_error(e)
         ch = choices[0]
-        text, calls = (HermesToolParser().extract(ch.text) if use_tools else (ch.text, []))
+        text, calls = (self.chat.tool_parser().extract(ch.text) if use_tools else (ch.text, []))
         content: list[dict] = []
         if text:
             content.append({"type": "text", "text": text})
@@ -128,7 +128,7 @@ class AnthropicServingMessages:
 
     async def _stream(self, ids: list[int], stream: RequestStream, request_id: str, model: str,
                       use_tools: bool) -> AsyncIterator[bytes]:
-        parser = StreamingToolCallParser() if use_tools else None
+        parser = StreamingToolCallParser(self.chat.tool_parser()) if use_tools else None
         output_tokens = 0
         started = False
         index = 0  # of the next content block
