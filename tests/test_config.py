@@ -22,7 +22,9 @@ def test_engine_args_cover_every_config_field_once_with_its_default():
             assert f.name in args, f"{klass.__name__}.{f.name} has no EngineArgs field"
             assert args[f.name].default == f.default, f.name
             seen.append(f.name)
-    assert sorted(seen) == sorted(args), "an EngineArgs field must belong to exactly one config"
+    # speculative_config is a config of its own (a JSON object of vLLM's keys -> SpeculativeConfig)
+    assert sorted(seen) == sorted(set(args) - {"speculative_config"}), \
+        "an EngineArgs field must belong to exactly one config"
     assert all(f.metadata["help"] for f in args.values())
 
 

@@ -434,11 +434,124 @@ class SchedulerConfig:
             )
 
 
+SPEC_METHODS = ("ngram", "suffix")
+MAX_NUM_SPECULATIVE_TOKENS = 16
+"""Cap on ``num_speculative_tokens``: a draft longer than this costs more rows than it can save on a
+model this small (a verify step's cost grows with its rows; see docs/speculative-decoding.md)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config`` JSON / ``LLM(speculative_config={...})``), vLLM's keys.
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: the last n tokens of a request matched against its own prompt
+            and output) or ``suffix`` (SuffixDecoding: suffix trees over the request and over recent
+            outputs, Oliaro et al., NeurIPS 2025).
+        num_speculative_tokens: most draft tokens per request per step (1..``MAX_NUM_SPECULATIVE_TOKENS``).
+            ``suffix``: the cap of its variable-length speculation (default ``suffix_decoding_max_tree_depth``).
+        prompt_lookup_min / prompt_lookup_max: ``ngram``: the shortest / longest suffix (tokens) matched.
+        suffix_decoding_max_tree_depth: ``suffix``: depth of the suffix trees (tokens), which bounds
+            both the matched context and the speculation.
+        suffix_decoding_max_cached_requests: ``suffix``: finished requests whose outputs the global tree
+            keeps (oldest dropped first); 0 turns the global tree off.
+        suffix_decoding_max_spec_factor: ``suffix``: speculate at most this many tokens per matched token.
+        suffix_decoding_min_token_prob: ``suffix``: stop a draft where the path's estimated probability
+            (product of child frequency ratios) falls below this.
+        disable_by_batch_size: no speculation in a step with at least this many running requests (vLLM's
+            key); None: the cost model alone decides (:mod:`tinyvllm.spec_decode.policy`).
+        cost_model: choose each step's draft lengths from measured step times and acceptance rates
+            (True, the default), or always propose up to ``num_speculative_tokens`` (False).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: int | None = None
+    cost_model: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPEC_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if k is None:
+            k = 5 if self.method == "ngram" else min(self.suffix_decoding_max_tree_depth, MAX_NUM_SPECULATIVE_TOKENS)
+            object.__setattr__(self, "num_speculative_tokens", k)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
+                             f"1..{MAX_NUM_SPECULATIVE_TOKENS}, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = 2, 5
+        elif lo is None:
+            lo = min(2, hi) if isinstance(hi, int) else hi
+        elif hi is None:
+            hi = max(lo, 5) if isinstance(lo, int) else lo
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if not isinstance(self.suffix_decoding_max_tree_depth, int) or not 1 <= self.suffix_decoding_max_tree_depth <= 256:
+            raise ValueError(f"speculative_config: suffix_decoding_max_tree_depth must be an integer in 1..256, "
+                             f"got {self.suffix_decoding_max_tree_depth!r}")
+        if not isinstance(self.suffix_decoding_max_cached_requests, int) or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_cached_requests must be an integer >= 0, "
+                             f"got {self.suffix_decoding_max_cached_requests!r}")
+        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) or self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError(f"speculative_config: suffix_decoding_max_spec_factor must be > 0, "
+                             f"got {self.suffix_decoding_max_spec_factor!r}")
+        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) or \
+                not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"speculative_config: suffix_decoding_min_token_prob must be in [0, 1], "
+                             f"got {self.suffix_decoding_min_token_prob!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {b!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """``--speculative-config`` (a JSON object), ``LLM(speculative_config=dict)`` or a config; None: off.
+
+        Raises:
+            ValueError: not JSON, not an object, an unknown key, or a bad value (the message names it).
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e.msg} at char {e.pos})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        if "method" not in value:
+            raise ValueError("speculative_config: method is required (ngram or suffix)")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -528,6 +641,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = _option(SchedulerConfig.enable_chunked_prefill,
                                            "split prompts longer than the step's remaining token budget",
                                            group=None)
+    speculative_config: str | dict | None = _option(
+        None, "speculative decoding, a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}' or '{\"method\": \"suffix\"}' "
+              "(docs/speculative-decoding.md)")
     # A server option (the offline engine has no waiting-queue bound): its flag is in ``serve``'s server group.
     max_waiting_requests: int | None = _option(SchedulerConfig.max_waiting_requests,
                                                "answer 503 while this many requests are waiting for the engine "
@@ -581,7 +698,7 @@ class EngineArgs:
         """
         parts = [klass(**{f.name: getattr(self, f.name) for f in dataclasses.fields(klass)})
                  for klass in _CONFIG_PARTS]
-        return EngineConfig(*parts)
+        return EngineConfig(*parts, speculative_config=SpeculativeConfig.parse(self.speculative_config))
 
 
 def _flag_type(hint: Any) -> type | None:

@@ -138,9 +138,14 @@ class ModelRunnerOutput:
         prompt_logprobs: request id -> logprobs of prompt tokens 1..P-1 (each under the logits of the
             position before it), sent once, with the request's first sampled token, for requests that
             asked for ``prompt_logprobs``.
+        spec_accepted: request id -> the draft tokens it accepted this step (speculative decoding),
+            emitted before ``sampled[id]``; only for requests that had drafts.
+        spec_logprobs: request id -> logprobs of those accepted tokens, where the request asked for them.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    spec_accepted: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # the KV connector's transfers (None: no connector)

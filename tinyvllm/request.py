@@ -58,6 +58,12 @@ class Request:
         cache_salt: folded into the first block's hash (vLLM's field): requests share
             prefix-cached (and offloaded) blocks only with requests of the same salt.
         num_cached_tokens_tier: the part of ``num_cached_tokens`` loaded from the KV offload tier.
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding; empty: none).
+            They are not part of ``all_token_ids`` until the model accepts them.
+        num_new_output_tokens: output tokens appended by the last ``update_from_output`` (several
+            when drafts were accepted).
+        spec_acceptance: running estimate of the probability that one draft token is accepted
+            (an exponential moving average over this request's verified drafts).
         kv_transfer_params_out: set by a KV connector when the request finishes: the ``kv_transfer_params``
             of its response (what another engine needs to pull its blocks).
     """
@@ -84,6 +90,9 @@ class Request:
     grammar: Any = None
     cache_salt: str | None = None
     num_cached_tokens_tier: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_new_output_tokens: int = 0
+    spec_acceptance: float | None = None
     kv_transfer_params_out: dict | None = None  # a KV connector's kv_transfer_params for the response
 
     def __post_init__(self) -> None:

@@ -80,6 +80,12 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             the offload tier, and
         kv_offload_loads: ``(slot, block_id)`` copies back; the worker runs all stores, then all
             loads, before the forward (:mod:`tinyvllm.core.kv_offload`).
+        scheduled_spec_decode_tokens: request id -> its draft tokens this step (speculative decoding).
+            Such a request's ``num_scheduled_tokens`` counts its last known token plus the drafts;
+            the worker verifies them (:mod:`tinyvllm.spec_decode.rejection_sampler`). With a grammar,
+            ``structured_output_request_ids`` names the request once per verified position
+            (``len(drafts) + 1`` consecutive bitmask rows).
+        num_spec_tokens: draft tokens of this step (part of ``total_num_scheduled_tokens``).
         kv_connector_metadata: the KV connector's instructions to its worker half this step, encoded by its
             scheduler half (:mod:`tinyvllm.distributed.kv_transfer`); empty when there is nothing to do.
     """
@@ -96,6 +102,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_bitmask: bytes = b""
     kv_offload_stores: list[tuple[int, int, str]] = []
     kv_offload_loads: list[tuple[int, int]] = []
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    num_spec_tokens: int = 0
     kv_connector_metadata: bytes = b""
 
     @property

@@ -429,7 +429,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset", choices=["random", "shared-prefix", "agent"], default="random")
+    g.add_argument("--dataset", choices=["random", "shared-prefix", "agent", "agent-editing"], default="random",
+                   help="agent-editing: a file read by a tool call, then rewritten with a small edit "
+                        "(speculative decoding's workload; tinyvllm/benchmarks/agent_editing.py)")
     g.add_argument(
         "--prompt-format",
         choices=["text", "token-ids"],
@@ -477,7 +479,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-tqdm", action="store_true")
 
 
-_OUTPUT_DEFAULTS = {"random": 128, "shared-prefix": 64, "agent": 30}
+_OUTPUT_DEFAULTS = {"random": 128, "shared-prefix": 64, "agent": 30, "agent-editing": 128}
 
 
 def build_dataset(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -495,6 +497,11 @@ def build_dataset(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         )
         return wl, dict(wl.meta)
     num = args.num_prompts if args.num_prompts is not None else 100
+    if args.dataset == "agent-editing":
+        from tinyvllm.benchmarks.agent_editing import agent_editing_dataset
+
+        specs = agent_editing_dataset(num, output_len, seed=args.seed)
+        return specs, dict(output_len=output_len, prompt_format="text")
     if args.dataset == "random":
         specs = ds.random_dataset(
             num, args.input_len, output_len, range_ratio=args.range_ratio, seed=args.seed,
@@ -553,6 +560,41 @@ def format_miss_reasons(before: dict[str, float] | None, after: dict[str, float]
     return f"prefix-cache miss reasons ({total} prompts): {parts or 'none'}"
 
 
+_SPEC_RE = r'^tinyvllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens)_total\{[^}]*\}\s+(\S+)$'
+
+
+def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """The server's speculative-decoding counters (``num_drafts``, ``num_draft_tokens``,
+    ``num_accepted_tokens``, tinyvllm's ``/metrics``), or None where it has none."""
+    import re
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out = {m.group(1): float(m.group(2)) for m in (re.match(_SPEC_RE, ln) for ln in r.text.splitlines()) if m}
+    return out or None
+
+
+def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """The run's speculative decoding (the counters' increase): drafts, draft / accepted tokens, the
+    acceptance rate (accepted / draft tokens) and the mean accepted length (tokens per verification
+    step: 1 + accepted / drafts, vLLM's definition); None without counters or drafts."""
+    if after is None:
+        return None
+    before = before or {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    if d["num_drafts"] <= 0:
+        return None
+    return {"num_drafts": int(d["num_drafts"]), "num_draft_tokens": int(d["num_draft_tokens"]),
+            "num_accepted_tokens": int(d["num_accepted_tokens"]),
+            "acceptance_rate": d["num_accepted_tokens"] / max(d["num_draft_tokens"], 1),
+            "mean_accepted_length": 1 + d["num_accepted_tokens"] / d["num_drafts"]}
+
+
 def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     from tinyvllm.benchmarks import report
 
@@ -565,6 +607,7 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     requests, meta = build_dataset(args)
 
     reasons_before = fetch_miss_reasons(args.base_url, args.api_key)
+    spec_before = fetch_spec_counters(args.base_url, args.api_key)
     result = asyncio.run(
         run_benchmark(
             args.base_url,
@@ -592,10 +635,17 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     if reasons_after is not None:
         result["prefix_cache_miss_reasons"] = {k: int(v - (reasons_before or {}).get(k, 0.0))
                                                for k, v in reasons_after.items()}
+    spec = spec_decode_summary(spec_before, fetch_spec_counters(args.base_url, args.api_key))
+    if spec is not None:
+        result["spec_decode"] = spec
     print(report.format_table(result))
     line = format_miss_reasons(reasons_before, reasons_after)
     if line:
         print(line)
+    if spec is not None:
+        print(f"speculative decoding: acceptance rate {100 * spec['acceptance_rate']:.1f}% "
+              f"({spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens), "
+              f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per step ({spec['num_drafts']} drafts)")
     if result["completed"] == 0 and result["requests"]:
         print(f"first error: {result['requests'][0]['error']}", file=sys.stderr)
 

@@ -173,7 +173,11 @@ class Scheduler:
         st = msgspec.structs.replace(self.stats, num_running=len(self.running), num_waiting=len(self.waiting),
                                      kv_blocks_used=self.kv.num_owned_blocks(),
                                      num_preempted=self.num_preempted_waiting,
-                                     prefix_cache_miss_reasons=dict(self.stats.prefix_cache_miss_reasons))
+                                     prefix_cache_miss_reasons=dict(self.stats.prefix_cache_miss_reasons),
+                                     spec_decode_num_accepted_tokens_per_pos=list(
+                                         self.stats.spec_decode_num_accepted_tokens_per_pos),
+                                     spec_decode_num_draft_tokens_per_pos=list(
+                                         self.stats.spec_decode_num_draft_tokens_per_pos))
         off = self.kv.offload
         if off is not None:
             st = msgspec.structs.replace(st, kv_offload_blocks_used=len(off), kv_offload_blocks_total=off.num_slots,
@@ -255,6 +259,7 @@ class Scheduler:
         self._num_sent_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.num_preempted_waiting += 1
@@ -284,9 +289,12 @@ class Scheduler:
         self._num_sent_blocks[rid] = len(block_ids)
         if len(block_ids) > req.peak_num_blocks:
             req.peak_num_blocks = len(block_ids)
-        # A request is in "decode" when it computes exactly its newest output token.
-        if req.num_output_tokens > 0 and num_new == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+        # A request is in "decode" when it computes exactly its newest output token (plus its drafts,
+        # when it speculates: those count as spec tokens, neither prefill nor decode).
+        num_draft = len(out.scheduled_spec_decode_tokens.get(rid, ())) if out.scheduled_spec_decode_tokens else 0
+        if req.num_output_tokens > 0 and num_new - num_draft == 1 and req.num_computed_tokens + 1 == req.num_tokens:
             out.num_decode_tokens += 1
+            out.num_spec_tokens += num_draft
         else:
             out.num_prefill_tokens += num_new
             req.num_prefill_computed += num_new
@@ -310,10 +318,19 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            # (drafts use only budget the running requests after this one do not need for one token each)
+            drafts = (self._drafts_to_verify(req, num_new, budget - (len(self.running) - i - 1))
+                      if req.spec_token_ids else None)
+            if drafts:
+                num_new += len(drafts)
             while True:
                 blocks = self.kv.allocate_slots(req.request_id, req.all_token_ids, req.num_computed_tokens, num_new)
                 if blocks is not None:
                     break
+                if drafts:  # drafts never cost a preemption: without them the step may fit
+                    num_new -= len(drafts)
+                    drafts = []
+                    continue
                 victim = self.running[-1]  # most recently admitted
                 if victim.request_id in scheduled:
                     # Never preempt a request already given tokens this step.
@@ -325,6 +342,8 @@ class Scheduler:
                 self._preempt(victim, out)
             if req is None:
                 continue  # ``running[i]`` is now the next request
+            if drafts:
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
             self._emit(out, req, num_new)
             budget -= num_new
             i += 1
@@ -398,34 +417,84 @@ class Scheduler:
         self.stats.decode_tokens += out.num_decode_tokens
         return out
 
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts of a decoding request that fit this step: a (1 + k)-token step over its cached
+        context (its newest token and k drafts), k cut to the step's budget, to ``max_model_len``
+        and to the output tokens ``max_tokens`` still allows (k + 1 tokens may be emitted)."""
+        if num_new != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return []  # not decoding (a prefill chunk, or recomputing after a preemption)
+        k = min(len(req.spec_token_ids), budget - 1, self.max_model_len - req.num_tokens - 1,
+                req.max_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[:k] if k > 0 else []
+
     # ------------------------------------------------------------------ update
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           spec_accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance ``num_computed_tokens``, append sampled tokens, finish stopped requests.
 
         Args:
             out: the step's schedule.
             sampled: request id -> sampled token id, for requests whose step reached
                 the end of their known tokens.
+            spec_accepted: request id -> its accepted draft tokens (a prefix of its drafts in
+                ``out.scheduled_spec_decode_tokens``), which come before ``sampled[rid]``. Rejected
+                drafts are rolled back: ``num_computed_tokens`` counts only the accepted ones, so
+                their KV slots are rewritten by a later step before anything reads them, and the
+                prefix cache never hashes them (it hashes only blocks of known tokens).
         Returns:
-            requests that got a new token or finished this step (in schedule order).
+            requests that got new tokens or finished this step (in schedule order);
+            ``num_new_output_tokens`` says how many tokens each got.
         """
         self._charge_kv()
         touched = []
+        spec = out.scheduled_spec_decode_tokens
         for rid, num_new in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None or req.status.is_finished:  # aborted mid-step
                 continue
+            drafts = spec.get(rid) if spec else None
+            accepted = (spec_accepted or {}).get(rid, []) if drafts else []
+            if drafts:
+                req.spec_token_ids = []
+                num_new -= len(drafts) - len(accepted)  # rejected positions are not computed
+                self._count_spec(req, len(drafts), len(accepted))
             req.num_computed_tokens += num_new
             if rid not in sampled:
                 continue
-            req.append_output_token(sampled[rid])
-            if req.grammar is not None and (not req.grammar.accept_token(sampled[rid])
-                                            or req.grammar.is_terminated()):
-                # The grammar accepted a stop token (EOS is only allowed where the output is complete),
-                # or (never with the bitmask applied) rejected the token: the request is done.
-                req.status = RequestStatus.FINISHED_STOPPED
-                self._finish(req)
-            elif req.check_stop(self.max_model_len):
-                self._finish(req)
+            req.num_new_output_tokens = 0
+            for token in (*accepted, sampled[rid]):
+                req.append_output_token(token)
+                req.num_new_output_tokens += 1
+                if req.grammar is not None and (not req.grammar.accept_token(token)
+                                                or req.grammar.is_terminated()):
+                    # The grammar accepted a stop token (EOS is only allowed where the output is complete),
+                    # or (never with the bitmask applied) rejected the token: the request is done.
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    self._finish(req)
+                    break
+                if req.check_stop(self.max_model_len):
+                    self._finish(req)
+                    break
             touched.append(req)
         return touched
+
+    def _count_spec(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """Speculative decoding counters (vLLM's names) and the request's acceptance estimate."""
+        st = self.stats
+        st.spec_decode_num_drafts += 1
+        st.spec_decode_num_draft_tokens += num_draft
+        st.spec_decode_num_accepted_tokens += num_accepted
+        per_pos, drafted = st.spec_decode_num_accepted_tokens_per_pos, st.spec_decode_num_draft_tokens_per_pos
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+            drafted.extend([0] * (num_draft - len(drafted)))
+        for j in range(num_draft):
+            drafted[j] += 1
+        for j in range(num_accepted):
+            per_pos[j] += 1
+        # Per-token acceptance seen in this verification: accepted / tested (the first rejected
+        # draft is tested too; those after it are not).
+        tested = min(num_draft, num_accepted + 1)
+        rate = num_accepted / tested
+        a = req.spec_acceptance
+        req.spec_acceptance = rate if a is None else 0.7 * a + 0.3 * rate

@@ -34,6 +34,7 @@ from tinyvllm.metrics.stats import IterationStats, SchedulerStats
 from tinyvllm.model.loader import ResolvedModel, resolve_model
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.scheduler_output import SchedulerOutput
+from tinyvllm.spec_decode.drafter import Drafter
 from tinyvllm.structured_output import StructuredOutputManager, XgrammarBackend
 
 # The KV block map (one byte per block) rides on a step's IterationStats at most this often (seconds).
@@ -121,6 +122,7 @@ class EngineCore:
             return XgrammarBackend.from_hf_tokenizer(load_tokenizer(model_dir), vocab_size)
 
         self.structured_output_manager = StructuredOutputManager(_backend)
+        self.drafter = Drafter(config.speculative_config) if config.speculative_config is not None else None
         self.load_seconds = time.monotonic() - t0
         logger.info(
             "model %s (%s, %s%s) loaded in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)",
@@ -201,15 +203,23 @@ class EngineCore:
         self.last_step_idle = sched.is_empty and not outputs and not sched.finished_req_ids
         if (not sched.is_empty or sched.finished_req_ids  # an empty schedule may still carry finishes
                 or sched.kv_connector_metadata or self.scheduler.has_pending_kv_transfers()):
+            t_exec = time.perf_counter()
             result = self.model_executor.execute_model(sched)
+            t_exec = time.perf_counter() - t_exec
             self.kv_transfers_changed = self.scheduler.update_from_kv_xfer_finished(result.kv_connector_output)
             self.last_step_idle = self.last_step_idle and not self.kv_transfers_changed
-            for req in self.scheduler.update_from_output(sched, result.sampled):
+            touched = self.scheduler.update_from_output(sched, result.sampled, result.spec_accepted)
+            for req in touched:
                 lp = result.logprobs.get(req.request_id)
+                n = req.num_new_output_tokens  # more than one when drafts were accepted
+                if lp is not None and n > 1:
+                    lps = (result.spec_logprobs.get(req.request_id, []) + [lp])[:n]
+                else:
+                    lps = [lp] if lp is not None else None
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id,
-                    new_token_ids=[req.output_token_ids[-1]],
-                    new_logprobs=[lp] if lp is not None else None,
+                    new_token_ids=req.output_token_ids[-n:] if n > 1 else [req.output_token_ids[-1]],
+                    new_logprobs=lps,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_prompt_tokens=req.num_prompt_tokens,
@@ -223,6 +233,8 @@ class EngineCore:
                     num_cached_tokens_tier=req.num_cached_tokens_tier,
                     kv_transfer_params=req.kv_transfer_params_out,
                 ))
+            if self.drafter is not None:
+                self._speculate(sched, result, touched, t_exec)
         self._flush_kv_offload()
         self._publish_kv_events()
         t1 = time.perf_counter()
@@ -237,6 +249,22 @@ class EngineCore:
             kv_block_map=block_map)
         return outputs
 
+    def _speculate(self, sched: SchedulerOutput, result, touched: list[Request], exec_seconds: float) -> None:
+        """Speculative decoding between steps: learn from this step (its time, when it computed no
+        prefill, and its verifications), then propose the next step's drafts for the running requests."""
+        drafter = self.drafter
+        for req in touched:
+            if req.status.is_finished:
+                drafter.finish(req)
+        if sched.num_scheduled_tokens and sched.num_prefill_tokens == 0:
+            drafter.observe(sched.total_num_scheduled_tokens, exec_seconds, sched.scheduled_spec_decode_tokens,
+                            result.spec_accepted)
+        sch = self.scheduler
+        budget = sch.config.max_num_batched_tokens
+        base = sum(r.num_tokens - r.num_computed_tokens for r in sch.running)
+        if sch.waiting and len(sch.running) < sch.config.max_num_seqs:
+            base += sch.waiting[0].num_tokens
+        sch.stats.spec_decode_propose_seconds += drafter.propose(sch.running, min(base, budget))
     def _publish_kv_events(self) -> None:
         """Publish the prefix cache's changes since the last call (``--kv-events-config``)."""
         pool = self.scheduler.kv.block_pool

@@ -205,20 +205,32 @@ class OutputProcessor:
             st.num_cached_tokens_tier = max(st.num_cached_tokens_tier, o.num_cached_tokens_tier)
             if o.kv_transfer_params is not None:
                 st.kv_transfer_params = o.kv_transfer_params
-            s.token_ids.extend(o.new_token_ids)
-            if o.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = [None] + [self._logprob_entry(lp) for lp in o.prompt_logprobs]
-            if o.new_logprobs is not None and s.logprobs is not None:
-                for lp in o.new_logprobs:
-                    s.logprobs.append(self._logprob_entry(lp))
-                    s.cumulative_logprob = (s.cumulative_logprob or 0.0) + lp.logprob
+            new_ids, new_lps = o.new_token_ids, o.new_logprobs
             # A token that finished the request by id (EOS / stop_token_ids) adds no text.
-            text_ids = o.new_token_ids
+            text_ids = new_ids
             if o.finish_reason == "stop" and not isinstance(o.stop_reason, str):
                 text_ids = text_ids[:-1]
                 if isinstance(o.stop_reason, int) and st.params.include_stop_str_in_output:
-                    text_ids = o.new_token_ids
-            stop_str = s.detok.add_tokens(text_ids)
+                    text_ids = new_ids
+            if len(text_ids) > 1 and s.detok.stop:
+                # Several tokens in one step (accepted drafts): a stop string may end inside them, and
+                # no token after the one that completes it may be output.
+                stop_str = None
+                for i, t in enumerate(text_ids):
+                    stop_str = s.detok.add_tokens([t])
+                    if stop_str is not None:
+                        new_ids = new_ids[:i + 1]
+                        new_lps = new_lps[:i + 1] if new_lps is not None else None
+                        break
+            else:
+                stop_str = s.detok.add_tokens(text_ids)
+            s.token_ids.extend(new_ids)
+            if o.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = [None] + [self._logprob_entry(lp) for lp in o.prompt_logprobs]
+            if new_lps is not None and s.logprobs is not None:
+                for lp in new_lps:
+                    s.logprobs.append(self._logprob_entry(lp))
+                    s.cumulative_logprob = (s.cumulative_logprob or 0.0) + lp.logprob
             if stop_str is not None:
                 s.finish_reason, s.stop_reason = "stop", stop_str
                 to_abort.append(o.request_id)

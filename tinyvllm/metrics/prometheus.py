@@ -132,6 +132,17 @@ class ServerMetrics:
                                   registry=r).labels(model_name)
         self.offload_total = Gauge("tinyvllm:kv_offload_total_blocks", "Offload-tier slots.", lab,
                                    registry=r).labels(model_name)
+        # Speculative decoding: vLLM's names (vllm:spec_decode_*), our prefix.
+        self.spec_drafts = Counter("tinyvllm:spec_decode_num_drafts", "Verification steps of a request with "
+                                   "draft tokens.", lab, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("tinyvllm:spec_decode_num_draft_tokens", "Draft tokens verified.", lab,
+                                         registry=r).labels(model_name)
+        self.spec_accepted_tokens = Counter("tinyvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                            lab, registry=r).labels(model_name)
+        self._spec_per_pos = Counter("tinyvllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                                     "by position in the draft (0-based).", lab + ["position"], registry=r)
+        self.spec_propose_seconds = Counter("tinyvllm:spec_decode_propose_seconds", "Time the draft proposer "
+                                            "took (seconds).", lab, registry=r).labels(model_name)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._requests: dict[str, _ReqState] = {}
@@ -211,7 +222,12 @@ class ServerMetrics:
                                     (stats.kv_offload_loaded_blocks * bb, "kv_offload_loaded_b",
                                      self.offload_loaded_bytes),
                                     (stats.kv_offload_hit_tokens, "kv_offload_hits", self.offload_hits),
-                                    (stats.kv_offload_load_seconds, "kv_offload_load_s", self.offload_load_seconds)):
+                                    (stats.kv_offload_load_seconds, "kv_offload_load_s", self.offload_load_seconds),
+                                    (stats.spec_decode_num_drafts, "spec_drafts", self.spec_drafts),
+                                    (stats.spec_decode_num_draft_tokens, "spec_draft_tokens", self.spec_draft_tokens),
+                                    (stats.spec_decode_num_accepted_tokens, "spec_accepted",
+                                     self.spec_accepted_tokens),
+                                    (stats.spec_decode_propose_seconds, "spec_propose_s", self.spec_propose_seconds)):
             delta = value - self._last_cumulative.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
@@ -222,6 +238,12 @@ class ServerMetrics:
         if delta_kv > 0:
             self.kv_block_seconds.inc(delta_kv)
             last["kv_block_seconds"] = stats.kv_block_seconds
+        for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            key = f"spec_pos:{pos}"
+            delta = value - last.get(key, 0)
+            if delta > 0:
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(delta)
+                last[key] = value
         for reason, value in stats.prefix_cache_miss_reasons.items():
             key = "miss:" + reason
             delta = value - last.get(key, 0)

@@ -35,6 +35,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
         kv_offload_hit_tokens: prompt tokens served from the tier (part of ``prefix_cache_hits``).
         kv_offload_block_bytes: bytes of one block (all layers, K and V): blocks x this = bytes copied.
         kv_offload_load_seconds: time spent copying blocks back from the tier (seconds, float).
+    Speculative decoding (vLLM's names; all zero with it off):
+        spec_decode_num_drafts: verification steps of a request with at least one draft token.
+        spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens: draft tokens verified / accepted.
+        spec_decode_num_accepted_tokens_per_pos: accepted drafts by position in the draft (0-based);
+            ``spec_decode_num_draft_tokens_per_pos``: drafts that had that position (the draft length varies).
+        spec_decode_propose_seconds: time the proposer took, summed (seconds, float).
     KV connector (P/D disaggregation; all zero without one):
         kv_transfer_recv_requests / kv_transfer_recv_bytes / kv_transfer_recv_seconds: requests whose prompt KV
             was pulled from another engine, the bytes, and the transfer time (seconds, float).
@@ -65,6 +71,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_offload_hit_tokens: int = 0
     kv_offload_block_bytes: int = 0
     kv_offload_load_seconds: float = 0.0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    spec_decode_num_draft_tokens_per_pos: list[int] = []
+    spec_decode_propose_seconds: float = 0.0
     kv_transfer_recv_requests: int = 0
     kv_transfer_recv_bytes: int = 0
     kv_transfer_recv_seconds: float = 0.0

@@ -449,19 +449,7 @@ class Sampler:
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=1)
 
-        if any(md.banned_token_ids):
-            if logits is caller_logits:
-                logits = logits.clone()
-            logits = apply_banned_tokens(logits, md.banned_token_ids)
-        if not md.no_penalties:
-            logits = apply_penalties(
-                logits,
-                md.prompt_token_ids,
-                md.output_token_ids,
-                md.repetition_penalty,
-                md.presence_penalty,
-                md.frequency_penalty,
-            )
+        logits = self._ban_and_penalise(logits, md, copy=logits is caller_logits)
 
         if md.all_greedy:
             sampled = logits.argmax(dim=1)
@@ -473,6 +461,60 @@ class Sampler:
             assert md.max_num_logprobs is not None
             logprobs = compute_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _ban_and_penalise(logits: torch.Tensor, md: SamplingMetadata, copy: bool) -> torch.Tensor:
+        """Steps 2-3 of the module docstring: banned ids to -inf, then the penalties (``copy``: do not
+        modify ``logits`` in place)."""
+        if any(md.banned_token_ids):
+            if copy:
+                logits = logits.clone()
+            logits = apply_banned_tokens(logits, md.banned_token_ids)
+        if not md.no_penalties:
+            logits = apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.repetition_penalty,
+                md.presence_penalty,
+                md.frequency_penalty,
+            )
+        return logits
+
+    def target_distribution(self, logits: torch.Tensor, md: SamplingMetadata
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The distribution each row would be sampled from, for speculative verification.
+
+        Applies exactly what :meth:`__call__` applies before its draw (banned ids, penalties; for
+        random rows temperature, top-k, top-p, min-p), so accepting a draft token ``x`` with
+        probability ``probs[i, x]`` verifies against the same distribution a plain step samples.
+
+        Args:
+            logits: ``[B, V]`` float32 (bf16/fp16 are upcast). Not modified.
+            md: the rows' :class:`SamplingMetadata`.
+
+        Returns:
+            ``greedy_ids`` ``[B]`` int64 (argmax of the penalised logits: the token of a greedy row),
+            ``random_rows`` ``[b]`` int64 (rows with temperature > 0), and ``probs`` ``[b, V]``
+            float32 of those rows (None when ``b == 0``).
+        """
+        caller_logits = logits
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        logits = self._ban_and_penalise(logits, md, copy=logits is caller_logits)
+        greedy_ids = logits.argmax(dim=1)
+        random_rows = (md.temperature >= SAMPLING_EPS).nonzero().squeeze(1)
+        if random_rows.numel() == 0:
+            return greedy_ids, random_rows, None
+        x = logits[random_rows] / md.temperature[random_rows].unsqueeze(1)
+        if not md.no_top_k_top_p_min_p:
+            top_k = None if md.no_top_k else md.top_k[random_rows]
+            top_p = None if md.no_top_p else md.top_p[random_rows]
+            if top_k is not None or top_p is not None:
+                x = apply_top_k_top_p(x, top_k, top_p)
+            if not md.no_min_p:
+                x = apply_min_p(x, md.min_p[random_rows])
+        return greedy_ids, random_rows, x.softmax(dim=1)
 
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

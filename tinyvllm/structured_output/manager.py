@@ -204,21 +204,39 @@ class StructuredOutputManager:
         tokens (``num_computed_tokens + num_scheduled == num_tokens``), i.e. it samples this step.
         The bitmask is int32 ``[rows, ceil(vocab_size / 32)]``, C order, as bytes.
         """
-        rows: list[tuple[str, Any]] = []
+        rows: list[tuple[str, Any, list[int]]] = []
+        spec = sched.scheduled_spec_decode_tokens
         for rid, num_new in sched.num_scheduled_tokens.items():
             req = requests.get(rid)
             g = getattr(req, "grammar", None)
-            if g is None or req.num_computed_tokens + num_new != req.num_tokens:
+            drafts = spec.get(rid, []) if spec else []
+            if g is None or req.num_computed_tokens + num_new - len(drafts) != req.num_tokens:
                 continue
-            rows.append((rid, req))
+            rows.append((rid, req, drafts))
         if not rows:
             return
         words = (self.backend.vocab_size + 31) // 32
-        bitmask = np.full((len(rows), words), -1, dtype=np.int32)
-        for i, (_, req) in enumerate(rows):
-            req.grammar.sync(req.output_token_ids)
-            req.grammar.fill_bitmask(bitmask, i)
-        sched.structured_output_request_ids = [rid for rid, _ in rows]
+        bitmask = np.full((sum(len(d) + 1 for _, _, d in rows), words), -1, dtype=np.int32)
+        ids: list[str] = []
+        for rid, req, drafts in rows:
+            # Speculative decoding: one row per verified position, the grammar advanced through the
+            # drafts before it (the drafter kept only drafts the grammar accepts), then rolled back.
+            g = req.grammar
+            g.sync(req.output_token_ids)
+            g.fill_bitmask(bitmask, len(ids))
+            ids.append(rid)
+            advanced, ok = 0, True
+            for t in drafts:
+                ok = ok and not g.is_terminated() and g.accept_token(t)
+                if ok:
+                    advanced += 1
+                    g.fill_bitmask(bitmask, len(ids))
+                else:  # (never: drafts are validated) the rows after a forbidden draft are not used
+                    bitmask[len(ids)] = bitmask[len(ids) - 1]
+                ids.append(rid)
+            if advanced:
+                g.rollback(advanced)
+        sched.structured_output_request_ids = ids
         sched.grammar_bitmask = bitmask.tobytes()
 
     def shutdown(self) -> None:

@@ -31,6 +31,7 @@ from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
 from tinyvllm.sample.sampler import Sampler, SamplingMetadata, apply_token_bitmask, compute_logprobs, make_generator
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.scheduler_output import SchedulerOutput
+from tinyvllm.spec_decode.rejection_sampler import rejection_sample
 from tinyvllm.worker.cuda_graph import DecodeGraphRunner
 
 logger = logging.getLogger("tinyvllm")
@@ -209,10 +210,13 @@ class ModelRunner:
         sample_reqs: list[CachedRequestState] = []
         plp_rows: list[int] = []  # prompt_logprobs: packed rows whose logits score the next prompt token
         plp_reqs: list[tuple[CachedRequestState, int]] = []  # (request, number of its rows in plp_rows)
+        spec = sched.scheduled_spec_decode_tokens
+        sample_drafts: list[list[int]] = []  # per sampled request: its drafts (speculative decoding)
         for rid, num_new in sched.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed_tokens
-            end = start + num_new
+            drafts = spec.get(rid, []) if spec else []
+            end = start + num_new - len(drafts)  # the known tokens' end; the drafts follow them
             if st.sampling_params.prompt_logprobs is not None and not st.prompt_lps_sent:
                 # position p scores prompt token p + 1; positions already scored (before a preemption) are skipped
                 lo, hi = max(start, len(st.prompt_lps)), min(end, len(st.prompt_token_ids) - 1)
@@ -220,13 +224,16 @@ class ModelRunner:
                     plp_rows.extend(range(len(input_ids) + lo - start, len(input_ids) + hi - start))
                     plp_reqs.append((st, hi - lo))
             input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
+            input_ids.extend(drafts)
+            positions.extend(range(start, start + num_new))
             query_lens.append(num_new)
-            seq_lens.append(end)
+            seq_lens.append(start + num_new)
             tables.append(st.block_ids)
             if end == len(st.token_ids):  # the step reaches the end of the known tokens: sample
-                sample_rows.append(len(input_ids) - 1)
+                # (a request with k drafts samples k + 1 rows: its last known token's and each draft's)
+                sample_rows.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
                 sample_reqs.append(st)
+                sample_drafts.append(drafts)
         hidden = self._run_model(input_ids, positions, query_lens, seq_lens, tables)
         if plp_reqs:
             self._score_prompt(hidden[torch.tensor(plp_rows, device=self.device)], plp_reqs)
@@ -235,9 +242,14 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         constrained: set[str] = set()
         if sched.structured_output_request_ids:
-            logits, constrained = self._apply_grammar_bitmask(logits, sched, sample_reqs)
-        out = self._sample(logits, sample_reqs, constrained)
+            logits, constrained = self._apply_grammar_bitmask(logits, sched, sample_reqs, sample_drafts)
+        if spec:
+            out = self._sample_spec(logits, sample_reqs, sample_drafts, constrained)
+        else:
+            out = self._sample(logits, sample_reqs, constrained)
         for st in sample_reqs:  # the runner's own copy of the token history
+            for t in out.spec_accepted.get(st.req_id, ()):
+                st.append(t)
             st.append(out.sampled[st.req_id])
             if st.sampling_params.prompt_logprobs is not None and not st.prompt_lps_sent:
                 out.prompt_logprobs[st.req_id] = st.prompt_lps
@@ -282,14 +294,25 @@ class ModelRunner:
         return self.model(ids_t, pos_t, self.kv_caches, md)
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, sched: SchedulerOutput,
-                               reqs: list[CachedRequestState]) -> tuple[torch.Tensor, set[str]]:
+                               reqs: list[CachedRequestState], drafts: list[list[int]] | None = None
+                               ) -> tuple[torch.Tensor, set[str]]:
         """Mask the constrained rows' logits with the schedule's grammar bitmask (before penalties,
-        temperature, top-k/p and sampling, so logprobs are those of the masked distribution)."""
+        temperature, top-k/p and sampling, so logprobs are those of the masked distribution). A request
+        with k drafts has k + 1 consecutive logits rows and is named k + 1 times in the bitmask's ids."""
         ids = sched.structured_output_request_ids
-        row_of = {st.req_id: i for i, st in enumerate(reqs)}
+        row_of, r = {}, 0
+        for i, st in enumerate(reqs):
+            row_of[st.req_id] = r
+            r += 1 + (len(drafts[i]) if drafts else 0)
+        seen: dict[str, int] = {}
+        row_list = []
+        for rid in ids:
+            j = seen.get(rid, 0)
+            seen[rid] = j + 1
+            row_list.append(row_of[rid] + j)
         words = len(sched.grammar_bitmask) // 4 // len(ids)
         bitmask = torch.frombuffer(bytearray(sched.grammar_bitmask), dtype=torch.int32).view(len(ids), words)
-        rows = torch.tensor([row_of[r] for r in ids], dtype=torch.int64, device=logits.device)
+        rows = torch.tensor(row_list, dtype=torch.int64, device=logits.device)
         if logits.dtype != torch.float32:
             logits = logits.float()
         return apply_token_bitmask(logits, bitmask, rows), set(ids)
@@ -336,3 +359,61 @@ class ModelRunner:
                     continue
                 lps[st.req_id] = TokenLogprobs(token_ids[i], slp[i], rank[i], list(zip(tids[i][:n], tlps[i][:n])))
         return ModelRunnerOutput(sampled, lps)
+
+    def _sample_spec(self, logits: torch.Tensor, reqs: list[CachedRequestState], drafts: list[list[int]],
+                     constrained: set[str] = frozenset()) -> ModelRunnerOutput:  # type: ignore[assignment]
+        """A step with drafts: verify them (:func:`~tinyvllm.spec_decode.rejection_sampler.rejection_sample`).
+
+        ``logits`` [R, vocab] float32 holds ``len(drafts[i]) + 1`` consecutive rows per request; row j
+        of a request is sampled as if its drafts ``x_1..x_j`` were already output tokens (penalties,
+        ``min_tokens``, logit_bias as in :meth:`_sample`). Logprobs are of the emitted tokens, under
+        the raw distribution of the row each came from.
+        """
+        params, prompts, outputs, gens, banned, bias_rows = [], [], [], [], [], []
+        for st, d in zip(reqs, drafts):
+            sp = st.sampling_params
+            stop_ids = sorted(st.eos_token_ids | set(sp.stop_token_ids or []))
+            for j in range(len(d) + 1):
+                if sp.logit_bias:
+                    bias_rows.append((len(params), sp.logit_bias))
+                params.append(sp)
+                prompts.append(st.prompt_token_ids)
+                outputs.append(st.output_token_ids + d[:j] if j else st.output_token_ids)
+                gens.append(st.generator)
+                banned.append(stop_ids if st.req_id not in constrained
+                              and len(st.output_token_ids) + j < sp.min_tokens else [])
+        smd = SamplingMetadata.build(params, prompts, outputs, gens, banned, device=self.device)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        if bias_rows:
+            rows = [i for i, b in bias_rows for _ in b]
+            cols = [t for _, b in bias_rows for t in b]
+            vals = [v for _, b in bias_rows for v in b.values()]
+            logits = logits.clone()
+            logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
+                              torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        tokens, token_rows = rejection_sample(self.sampler, logits, smd, drafts)
+        out = ModelRunnerOutput()
+        for st, d, toks in zip(reqs, drafts, tokens):
+            out.sampled[st.req_id] = toks[-1]
+            if d:
+                out.spec_accepted[st.req_id] = toks[:-1]
+        if smd.max_num_logprobs is not None:
+            want = [i for i, st in enumerate(reqs) if st.sampling_params.logprobs is not None]
+            flat_rows = [r for i in want for r in token_rows[i]]
+            flat_toks = [t for i in want for t in tokens[i]]
+            raw = torch.log_softmax(logits[torch.tensor(flat_rows, device=logits.device)], dim=1)
+            lp = compute_logprobs(raw, torch.tensor(flat_toks, device=logits.device), smd.max_num_logprobs)
+            slp, rank = lp.sampled_logprob.tolist(), lp.sampled_rank.tolist()
+            tids, tlps = lp.topk_ids.tolist(), lp.topk_logprobs.tolist()
+            x = 0
+            for i in want:
+                st, n = reqs[i], reqs[i].sampling_params.logprobs
+                entries = []
+                for t in tokens[i]:
+                    entries.append(TokenLogprobs(t, slp[x], rank[x], list(zip(tids[x][:n], tlps[x][:n]))))
+                    x += 1
+                out.logprobs[st.req_id] = entries[-1]
+                if drafts[i]:
+                    out.spec_logprobs[st.req_id] = entries[:-1]
+        return out
