@@ -602,3 +602,25 @@ def test_q8_rejects_q6_k_and_bad_mode(kern, monkeypatch):
         gguf_quant.int8_activations(kern)
     monkeypatch.setenv("TINYVLLM_GGUF_ACTIVATIONS", "bf16")
     assert gguf_quant.int8_activations(kern) is False
+
+
+def test_converted_tokenizer_is_cached_per_tokenizer_fields(tmp_path, monkeypatch):
+    """Every GGUF of a family carries the same ``tokenizer.*`` fields: the second conversion reuses the
+    tokenizer built for the first (``loader._save_gguf_tokenizer_cached``), and a GGUF whose vocabulary
+    differs gets its own entry, never another file's tokenizer."""
+    import json
+
+    from tinyvllm.benchmarks.random_gguf import write_random_gguf
+    from tinyvllm.model import loader
+
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "cache"))
+    shape = dict(hidden=64, layers=1, heads=4, kv_heads=2, inter=128)
+    a = loader.convert_gguf_cached(write_random_gguf(tmp_path / "a.gguf", seed=1, **shape))
+    size = len(json.loads((a / "tokenizer.json").read_text())["model"]["vocab"])
+    b = loader.convert_gguf_cached(write_random_gguf(tmp_path / "b.gguf", seed=2, vocab=size + 64, **shape))
+    c = loader.convert_gguf_cached(write_random_gguf(tmp_path / "c.gguf", seed=3, **shape))  # a's tokenizer
+    entries = list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
+    assert len(entries) == 2
+    assert (c / "tokenizer.json").read_text() == (a / "tokenizer.json").read_text()
+    assert (c / "tokenizer_config.json").read_text() == (a / "tokenizer_config.json").read_text()
+    assert len(json.loads((b / "tokenizer.json").read_text())["model"]["vocab"]) == size + 64

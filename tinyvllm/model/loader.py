@@ -327,7 +327,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.update(_gguf_arch_config(arch, f, n_layers, hidden, n_head, head_dim))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    _save_gguf_tokenizer(gguf_path, out_dir)
+    _save_gguf_tokenizer_cached(reader, gguf_path, out_dir)
 
 
 def _gguf_arch_config(arch: str, f: Any, n_layers: int, hidden: int, n_head: int, head_dim: int) -> dict[str, Any]:
@@ -353,6 +353,40 @@ def _gguf_arch_config(arch: str, f: Any, n_layers: int, hidden: int, n_head: int
                 "query_pre_attn_scalar": hidden // n_head if n_layers == 62 else head_dim,
                 "hidden_activation": "gelu_pytorch_tanh"}
     return {}
+
+
+def _save_gguf_tokenizer_cached(reader: Any, gguf_path: Path, out_dir: Path) -> None:
+    """:func:`_save_gguf_tokenizer`, kept once per tokenizer under ``cache_root()/gguf-tokenizers``.
+
+    Building a 49K-token tokenizer through transformers' GGUF reader takes ~7 s (it parses the vocabulary
+    again); every GGUF of one family carries the same ``tokenizer.*`` fields. The key is an xxh3-128 of
+    those fields' raw bytes (read from ``reader``'s file map, in file order) and the transformers version, so
+    another vocabulary, merges, special tokens or chat template is another entry.
+    """
+    import transformers
+    import xxhash
+
+    h = xxhash.xxh3_128(f"v1|{transformers.__version__}".encode())
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            size = sum(int(part.nbytes) for part in field.parts)
+            h.update(key.encode())
+            h.update(reader.data[field.offset:field.offset + size].tobytes())
+    entry = cache_root() / "gguf-tokenizers" / h.hexdigest()
+    if entry.is_dir():
+        shutil.copytree(entry, out_dir, dirs_exist_ok=True)
+        return
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=entry.parent))
+    try:
+        _save_gguf_tokenizer(gguf_path, tmp)
+        shutil.copytree(tmp, out_dir, dirs_exist_ok=True)
+        try:
+            os.rename(tmp, entry)  # atomic; where a concurrent conversion won the race, its entry stays
+        except OSError:
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
