@@ -194,6 +194,24 @@ _KV_TRANSFER_IGNORED = ("kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_par
                         "kv_connector_module_path")
 
 
+def _json_object(value: "str | dict", name: str) -> dict:
+    """A config flag's value as a dict: JSON text is parsed, a dict passes through.
+
+    Raises:
+        ValueError: not valid JSON, or not a JSON object (the message names ``name``).
+    """
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """``--kv-transfer-config``: which KV connector moves blocks between engines (vLLM's JSON object).
@@ -240,15 +258,7 @@ class KVTransferConfig:
         """
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON ({e.msg} at character {e.pos})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+        value = _json_object(value, "kv_transfer_config")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in value if k not in names and k not in _KV_TRANSFER_IGNORED)
         if unknown:
@@ -299,15 +309,7 @@ class KVEventsConfig:
         """From JSON text, a dict or as is. Raises ``ValueError`` (bad JSON, unknown key, bad value)."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON ({e.msg} at character {e.pos})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        value = _json_object(value, "kv_events_config")
         names = {f.name for f in dataclasses.fields(cls)}
         ignored = ("buffer_steps", "max_queue_size")  # vLLM's replay buffer options (no replay socket here)
         unknown = sorted(k for k in value if k not in names and k not in ignored and k != "replay_endpoint")
@@ -526,17 +528,9 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e.msg} at char {e.pos})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if isinstance(value, str) and not value.strip():
+            return None
+        value = _json_object(value, "speculative_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
