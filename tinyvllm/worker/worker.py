@@ -93,6 +93,10 @@ class Worker:
         """``gguf`` when the linears run on native GGUF blocks, else ``none``."""
         return str(getattr(self.model, "quantization", "none"))
 
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor on this worker ([2, blocks, block_size, its KV heads, D])."""
+        return tuple(self.model_runner.kv_caches[0].shape)
+
     def tp_comm_stats(self) -> tuple[float, int]:
         """``(seconds, calls)`` this rank spent in tensor-parallel collectives since the last call (then reset)."""
         return self.tp.reset_comm_stats() if self.tp is not None else (0.0, 0)
