@@ -154,7 +154,7 @@ def dirs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", ["llama", "llama:tied", "qwen3moe",
+@pytest.mark.parametrize("name", ["llama:tied", "qwen3moe", pytest.param("llama", marks=pytest.mark.slow),
                                   *[pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES if f != "qwen3moe"]])
 def test_split_layers_give_the_whole_models_logits(dirs, name):
     """Column-parallel QKV / gate_up, row-parallel o_proj / down_proj (float32 all-reduce), vocab-parallel
@@ -214,16 +214,17 @@ def test_head_partition_and_bad_sizes_are_one_line():
         ParallelConfig.from_torchrun_env({"RANK": "0", "WORLD_SIZE": "2"}, tensor_parallel_size=4)
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_size_that_does_not_divide_the_heads_in_one_line(dirs):
-    """``serve -tp 3`` on a 4-head / 2-KV-head model: one line, exit code 2 or 1, no traceback, no rank started."""
+    """``serve -tp 3`` on a 4-head / 2-KV-head model: one line, exit code 2, no traceback, no process started."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", str(dirs("llama")),
+    r = subprocess.run([sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", str(dirs("qwen3")),
                         "-tp", "3", "--port", "8848", "--dtype", "float32"],
                        capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode != 0
-    err = [ln for ln in r.stderr.splitlines() if "ERROR" in ln or "rror" in ln]
-    assert err and "does not divide the heads" in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 2, r.stderr[-2000:]
+    err = [ln for ln in r.stderr.splitlines() if "ERROR" in ln]
+    assert len(err) == 1 and "does not divide the heads" in err[0], r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "engine core process started" not in r.stderr, r.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- real ranks (processes, gloo)
@@ -231,10 +232,10 @@ def test_cli_refuses_a_size_that_does_not_divide_the_heads_in_one_line(dirs):
 
 @pytest.fixture(scope="module")
 def tp_llm(dirs):
-    """An offline LLM at TP=2 (two spawned rank processes) on the tiny Llama, float32."""
+    """An offline LLM at TP=2 (two spawned rank processes) on the tiny Qwen3 (4 heads, 2 KV heads), float32."""
     from tinyvllm import LLM
 
-    llm = LLM(str(dirs("llama")), dtype="float32", tensor_parallel_size=2, block_size=4, num_kv_blocks=24,
+    llm = LLM(str(dirs("qwen3")), dtype="float32", tensor_parallel_size=2, block_size=4, num_kv_blocks=24,
               max_num_batched_tokens=16, enable_prefix_caching=True, kv_offload_size="16MiB")
     yield llm
     llm.llm_engine.core.shutdown()
@@ -250,16 +251,18 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [rand(9), base + rand(3), base + rand(6), rand(21)]
 
 
-def test_tp2_greedy_equals_transformers_under_batching_chunking_prefix_cache_preemption(dirs, tp_llm):
-    """Two real ranks: greedy 24 tokens of 4 prompts equal transformers' float32 greedy, batched with chunked
-    prefill (16-token budget), preempted (24 blocks), then again from prefix-cache hits, then one alone."""
+def test_tp2_ranks_equal_transformers_hold_half_the_kv_and_a_killed_rank_is_one_line(dirs, tp_llm):
+    """Two real ranks (gloo): greedy 24 tokens of 4 prompts equal transformers' float32 greedy, batched with chunked
+    prefill (16-token budget), preempted (24 blocks), then again from prefix-cache hits, then one alone; rank 0
+    holds half the KV heads; SIGKILL of rank 1 ends the engine with one line (one engine for all: start-up is
+    the cost)."""
     import transformers
 
     from tinyvllm import SamplingParams
 
-    path = dirs("llama")
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    prompts = _prompts(128)
+    path = dirs("qwen3")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = _prompts(512)
     with torch.no_grad():
         ref = [hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, len(p):].tolist() for p in prompts]
@@ -277,36 +280,117 @@ def test_tp2_greedy_equals_transformers_under_batching_chunking_prefix_cache_pre
     out = tp_llm.generate(inputs, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 16 for o in out)
 
-
-def test_tp2_rank_holds_half_the_kv_heads(dirs, tp_llm):
-    """Rank 0's KV cache tensors have num_kv_heads / 2 heads: KV bytes per token per rank are half TP=1's."""
+    # each rank holds half the KV heads: rank 0's KV tensors, and the KV bytes per token the cache is sized by
     ex = tp_llm.llm_engine.core.model_executor
-    shape = ex._call("kv_cache_shape")
-    cfg = json.loads((dirs("llama") / "config.json").read_text())
-    assert shape[3] == cfg["num_key_value_heads"] // 2
-    whole = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
-    assert ex.model_info().kv_bytes_per_token * 2 == whole
+    cfg = json.loads((path / "config.json").read_text())
+    assert ex._call("kv_cache_shape")[3] == cfg["num_key_value_heads"] // 2
+    assert ex.model_info().kv_bytes_per_token * 2 == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
 
-
-def test_killed_rank_ends_the_engine_in_one_line(dirs):
-    """SIGKILL of rank 1: the next health check (or step) raises RankDiedError naming the rank; no hang."""
-    from tinyvllm.config import EngineConfig
-    from tinyvllm.engine.core import EngineCore
+    # SIGKILL of rank 1 (last: it ends this engine): the next health check raises one line naming it; no hang
     from tinyvllm.executor.multiproc import RankDiedError
 
-    core = EngineCore(EngineConfig.from_kwargs(model=str(dirs("llama")), dtype="float32", tensor_parallel_size=2,
-                                               num_kv_blocks=16, max_model_len=64))
-    ex = core.model_executor
-    try:
-        ex.check_health()
-        os.kill(ex.procs[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(RankDiedError, match=r"rank 1 \(pid \d+\)") as e:
-            for _ in range(3):
-                ex.check_health()
-                time.sleep(0.2)
-        assert "\n" not in str(e.value)
-        assert time.monotonic() - t0 < 30
-    finally:
-        core.shutdown()
+    ex.check_health()
+    os.kill(ex.procs[1].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"rank 1 \(pid \d+\)") as e:
+        for _ in range(3):
+            ex.check_health()
+            time.sleep(0.2)
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 30
+    with pytest.raises(RankDiedError):
+        tp_llm.generate(inputs[0], sp)  # a step fails the same way
+    ex.shutdown()
     assert not any(p.is_alive() for p in ex.procs.values())
+
+
+# ----------------------------------------------------------------------------- the server (slow tier)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _complete(srv, prompt: str = "The capital of France is", n: int = 8) -> str:
+    import httpx
+
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_server_at_tp2_serves_smollm2_and_a_killed_rank_gives_503_and_exit(tmp_path):
+    """The embedded SmolLM2 at -tp 2 (9 heads: 6 + 3) answers as at TP=1 (float32, greedy); SIGKILL of a rank:
+    new requests get 503 (or a refused connection) and the API process exits non-zero, within 60 s."""
+    import httpx
+
+    from server_utils import Server
+
+    texts = {}
+    for tp in ("1", "2"):
+        srv = Server(tmp_path / f"tp{tp}.log", ["--dtype", "float32", "-tp", tp, "--max-model-len", "512"])
+        try:
+            srv.wait_healthy()
+            texts[tp] = _complete(srv)
+            if tp == "1":
+                continue
+            ranks = _children(srv.core_pid)
+            assert len(ranks) >= 2, ranks
+            os.kill(ranks[-1], signal.SIGKILL)
+            t0, statuses = time.monotonic(), []
+            while srv.proc.poll() is None and time.monotonic() - t0 < 60:
+                try:
+                    statuses.append(httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                               timeout=10).status_code)
+                except httpx.HTTPError:
+                    statuses.append("refused")
+                time.sleep(0.2)
+            assert srv.proc.wait(60) != 0
+            assert 503 in statuses or statuses[-1:] == ["refused"], statuses
+            assert "tensor-parallel rank" in srv.log_tail(20000), srv.log_tail()
+        finally:
+            srv.stop()
+    assert texts["1"] == texts["2"], texts
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback(tmp_path):
+    """``--nnodes 2``: node 1 (rank 1, headless) and node 0 (rank 0 + HTTP) on 127.0.0.1 give TP=1's greedy text;
+    node 1 exits 0 when node 0 shuts down."""
+    from server_utils import Server
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    port = "29541"
+    common = ["--dtype", "float32", "-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+              "--max-model-len", "512"]
+    with open(tmp_path / "node1.log", "wb") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", *common,
+                                  "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    srv = Server(tmp_path / "node0.log", [*common, "--node-rank", "0"])
+    try:
+        srv.wait_healthy()
+        two = _complete(srv)
+    finally:
+        srv.stop()
+        code = node1.wait(60)
+    one = Server(tmp_path / "one.log", ["--dtype", "float32", "--max-model-len", "512"])
+    try:
+        one.wait_healthy()
+        assert _complete(one) == two
+    finally:
+        one.stop()
+    assert code == 0, (tmp_path / "node1.log").read_text()[-3000:]
+
+
+def test_engine_refuses_a_size_that_does_not_divide_the_heads(dirs):
+    """The check the server runs before any process starts (the CLI's one line: slow tier above)."""
+    from tinyvllm.config import EngineConfig
+    from tinyvllm.engine.core import check_parallel
+
+    cfg = EngineConfig.from_kwargs(model=str(dirs("qwen3")), tensor_parallel_size=3)
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size 3 does not divide the heads"):
+        check_parallel(cfg, torch.device("cpu"), dirs("qwen3"))

@@ -58,15 +58,14 @@ def check_parallel(config: EngineConfig, device: torch.device, model_dir: "str |
 
     pc = config.parallel_config
     tp, per_node = pc.tensor_parallel_size, len(pc.pipe_ranks())
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    check_tensor_parallel(cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg, tp)
     if device.type == "cuda" and per_node > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size {tp} needs {per_node} GPUs on this node, "
                          f"{torch.cuda.device_count()} visible")
     if device.type == "cpu" and per_node > (os.cpu_count() or 1):
         raise ValueError(f"tensor_parallel_size {tp} puts {per_node} ranks on this node's "
                          f"{os.cpu_count()} CPU cores (one rank per core at least)")
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg
-    check_tensor_parallel(cfg, tp)
 
 
 class EngineCore:

@@ -83,6 +83,17 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     if config.parallel_config.headless:  # --node-rank > 0 (or a torchrun rank > 0): this node's ranks only
         return run_headless_node(config)
+    if config.parallel_config.tensor_parallel_size > 1:  # a size the model cannot split: one line, no process
+        from tinyvllm.config import resolve_device
+        from tinyvllm.engine.core import check_parallel
+        from tinyvllm.model.loader import resolve_model
+
+        try:
+            mc = config.model_config
+            check_parallel(config, resolve_device(mc.device), resolve_model(mc.model, mc.load_format).model_dir)
+        except ValueError as e:
+            logger.error("invalid engine options: %s", flag_message(str(e)))
+            return 2
     if (err := _listen_error(args.host, args.port)) is not None:
         logger.error("%s", err[0])
         return err[1]
