@@ -162,6 +162,7 @@ def test_split_layers_give_the_whole_models_logits(dirs, name):
     _split_matches_whole(dirs(name))
 
 
+@pytest.mark.slow
 def test_native_gguf_blocks_split_on_block_boundaries(dirs, monkeypatch):
     """Native Q8_0 linears split by whole 32-value blocks (and 16-row groups) give the unsplit native model's
     logits; a split that would cut a block is one line."""
@@ -394,3 +395,7 @@ def test_engine_refuses_a_size_that_does_not_divide_the_heads(dirs):
     cfg = EngineConfig.from_kwargs(model=str(dirs("qwen3")), tensor_parallel_size=3)
     with pytest.raises(TensorParallelError, match="tensor_parallel_size 3 does not divide the heads"):
         check_parallel(cfg, torch.device("cpu"), dirs("qwen3"))
+    pd = EngineConfig.from_kwargs(model=str(dirs("qwen3")), tensor_parallel_size=2,
+                                  kv_transfer_config='{"kv_connector": "ZmqConnector", "kv_role": "kv_both"}')
+    with pytest.raises(ValueError, match="not supported with --tensor-parallel-size > 1 yet"):
+        check_parallel(pd, torch.device("cpu"), dirs("qwen3"))

@@ -49,15 +49,21 @@ def check_parallel(config: EngineConfig, device: torch.device, model_dir: "str |
 
     Raises:
         ValueError: the heads (or MLP) cannot be split over the ranks; more ranks per node than GPUs (CUDA)
-            or CPU cores (each rank needs at least one).
+            or CPU cores (each rank needs at least one); a KV connector or disk KV tier (not supported with TP).
     """
     import json
     import os
 
     from tinyvllm.model.tensor_parallel import check_tensor_parallel
 
-    pc = config.parallel_config
+    pc, cc = config.parallel_config, config.cache_config
     tp, per_node = pc.tensor_parallel_size, len(pc.pipe_ranks())
+    if cc.kv_transfer_config is not None:
+        raise ValueError("--kv-transfer-config (prefill/decode disaggregation) is not supported with "
+                         "--tensor-parallel-size > 1 yet")
+    if cc.kv_offload_path is not None:
+        raise ValueError("--kv-offload-path (the disk KV tier) is not supported with --tensor-parallel-size > 1 "
+                         "yet; the host-memory tier (--kv-offload-size alone) is")
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     check_tensor_parallel(cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg, tp)
     if device.type == "cuda" and per_node > torch.cuda.device_count():

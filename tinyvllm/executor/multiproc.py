@@ -67,6 +67,17 @@ class RankDiedError(RuntimeError):
     """A tensor-parallel rank exited or failed (the message names it, in one line)."""
 
 
+def _set_pdeathsig() -> None:
+    """Ask Linux to SIGTERM this process when its parent (the engine core) dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+
 def fanout_ranks(world: int, pipe_ranks_node0: int) -> list[int]:
     """Ranks that rank 0 forwards each call to over gloo: rank 0 and every rank node 0's executor does not
     spawn (``[]``: every rank has a pipe)."""
@@ -80,7 +91,6 @@ def run_worker(config: EngineConfig, device: str, model_dir: str, rank: int, con
     (from ``conn``, or rank 0's gloo broadcast) until ``shutdown``. Exits 1 on any error (reported on
     ``conn`` when there is one)."""
     from tinyvllm.distributed.parallel_state import destroy_tp_group, init_tp_group
-    from tinyvllm.engine.core_proc import _set_pdeathsig
     from tinyvllm.worker.worker import Worker
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
