@@ -727,15 +727,15 @@ class EngineArgs:
         None, "speculative decoding, a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}' or '{\"method\": \"suffix\"}' "
               "(docs/speculative-decoding.md)")
-    tensor_parallel_size: int = _option(1, "ranks that each hold a share of every layer (vLLM's flag, also -tp): "
+    tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size, "ranks that each hold a share of every layer (vLLM's flag, also -tp): "
                                            "one worker process per rank in a torch.distributed group (gloo on the "
                                            "CPU, NCCL on CUDA); docs/parallelism.md")
-    nnodes: int = _option(1, "nodes of a multi-node tensor-parallel group (torchrun's flag); every node runs the "
+    nnodes: int = _option(ParallelConfig.nnodes, "nodes of a multi-node tensor-parallel group (torchrun's flag); every node runs the "
                              "same command with its --node-rank; node 0 serves HTTP")
-    node_rank: int = _option(0, "this node's index in 0..nnodes-1 (torchrun's flag); > 0 runs only its ranks")
-    master_addr: str = _option("127.0.0.1", "address of node 0, where rank 0 hosts the group's store "
+    node_rank: int = _option(ParallelConfig.node_rank, "this node's index in 0..nnodes-1 (torchrun's flag); > 0 runs only its ranks")
+    master_addr: str = _option(ParallelConfig.master_addr, "address of node 0, where rank 0 hosts the group's store "
                                             "(torchrun's flag)")
-    master_port: int | None = _option(None, "port of the group's store on --master-addr (torchrun's flag; "
+    master_port: int | None = _option(ParallelConfig.master_port, "port of the group's store on --master-addr (torchrun's flag; "
                                             "default: a free port on one node, 29500 across nodes)")
     # A server option (the offline engine has no waiting-queue bound): its flag is in ``serve``'s server group.
     max_waiting_requests: int | None = _option(SchedulerConfig.max_waiting_requests,
