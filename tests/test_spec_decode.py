@@ -135,6 +135,22 @@ def test_suffix_scan_equals_the_suffix_tree_query():
     assert nonempty > 100
 
 
+def test_suffix_copy_of_a_long_text_gets_a_long_draft():
+    """Copying a file back (the agent-editing case): the longest match reaches the tree's depth, which
+    leaves room for one draft token; a shorter match (ArcticInference tries every length) drafts the
+    next max_depth / 2 tokens of the copy. The reference is the text being copied."""
+    rng = np.random.default_rng(5)
+    text = rng.integers(100, 5000, size=80).tolist()  # distinct enough: each 2-gram occurs once
+    toks = text + [7, 8] + text[:40]  # 40 tokens into the copy
+    want = text[40:52]  # max_depth 24, factor 1: a 12-token match leaves 12 tokens of depth
+    got, score = speculate_from_sequence(np.array(toks, dtype=np.int64), 24, 16, 1.0, 0.1)
+    assert got == want and score == pytest.approx(12.0)
+    tree = SuffixTree(24)
+    tree.insert(text)
+    assert tree.speculate(toks[-24:], 16, 1.0, 0.1)[0] == want
+    assert SuffixProposer().propose("r", toks[:60], toks[60:], 16) == want
+
+
 def test_suffix_proposer_uses_the_global_tree_of_earlier_outputs():
     sp = SuffixProposer(max_depth=16, max_cached_requests=2)
     edit = [40, 41, 42, 43, 44, 45, 46, 47]
