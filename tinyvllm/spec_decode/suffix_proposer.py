@@ -41,6 +41,8 @@ from typing import Sequence
 
 import numpy as np
 
+from tinyvllm.spec_decode.ngram_proposer import suffix_matches
+
 
 MAX_MATCH_LENGTHS = 4  # match lengths tried per query (those with the largest draft caps)
 
@@ -147,18 +149,11 @@ def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_f
     """:meth:`SuffixTree.speculate` over the suffix tree of one sequence ``toks`` (int64 array),
     queried with ``toks``'s own end as the context, by scanning instead of building the tree."""
     n = len(toks)
-    if n < 2:
-        return [], 0.0
-    cand = np.flatnonzero(toks[:n - 1] == toks[-1])  # earlier occurrences of the last token (end positions)
+    # every earlier occurrence of the last token, and how far back it matches the end (at most
+    # max_depth - 1 tokens: a match of max_depth would leave no room in the tree)
+    cand, match = suffix_matches(toks, max_depth - 1)
     if cand.size == 0:
         return [], 0.0
-    # How far back each occurrence matches the end (at most max_depth - 1 tokens: a match of max_depth
-    # would leave no room in the tree), in one (occurrences x depth) comparison.
-    width = min(max_depth - 1, n - 1)
-    pos = cand[:, None] - np.arange(width)
-    same = toks[np.maximum(pos, 0)] == toks[n - 1 - np.arange(width)]
-    same &= pos >= 0
-    match = np.cumprod(same, axis=1).sum(axis=1)
     best: list[int] = []
     best_score = 0.0
     for cap, length in _match_lengths(int(match.max()), k, max_spec_factor, max_depth):
