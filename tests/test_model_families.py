@@ -8,7 +8,8 @@ transformers proved): prefill + decode logits in float32 within 1e-4 absolute; g
 batching, chunked prefill, prefix-cache hits and preemption identical to transformers' greedy.
 
 Default tier: logits of every family on the default backend (the C++ kernels where they build), the
-engine paths, GGUF and native GGUF of Qwen3-MoE, the window cap, the dummy shapes, the error paths.
+engine paths of Qwen3-MoE and Gemma 3 (sliding window), GGUF and native GGUF of Qwen3-MoE, the window,
+the dummy shapes, the error paths.
 ``slow``: the other families' engine paths, GGUF, native GGUF, the torch reference and the Triton
 interpreter backends, bf16 agreement, a dummy MoE run, the CLI's one-line error.
 """
@@ -37,7 +38,7 @@ from tiny_models import FAMILIES, make_tiny_family, write_family_gguf  # noqa: E
 
 ALL = list(FAMILIES)
 GGUF_FAMILIES = [f for f in ALL if FAMILIES[f]["gguf_arch"]]
-ENGINE_DEFAULT = ("qwen3moe",)
+ENGINE_DEFAULT = ("qwen3moe", "gemma3")  # gemma3: sliding-window and global layers
 NUM_TOKENS = 32
 
 
@@ -307,19 +308,20 @@ def test_bf16_is_at_least_as_close_to_float32_as_transformers_bf16(family_dir, n
 # ----------------------------------------------------------------------------- limits and errors
 
 
-def test_sliding_window_caps_max_model_len(family_dir, caplog):
-    """Mistral's (and Gemma 3's) window: the kernels have no window, so the context is capped at it,
-    with a warning, and a longer max_model_len is refused at start, never run silently wrong."""
-    from tinyvllm import LLM
-    from tinyvllm.model.registry import config_from_dir
-
-    for name in ("mistral", "gemma3"):
-        with caplog.at_level("WARNING", logger="tinyvllm"):
-            _, cfg = config_from_dir(family_dir(name))
-        assert cfg.max_position_embeddings == 96 == cfg.sliding_window
-        assert "capped at 96" in caplog.text
-    with pytest.raises(ValueError, match="max_model_len 200 exceeds"):
-        LLM(str(family_dir("mistral")), dtype="float32", max_model_len=200)
+@pytest.mark.parametrize("name,windows", [("mistral", [8, 8]), ("gemma3", [8] * 5 + [0])])
+def test_sliding_window_is_attention_not_a_cap(family_dir, name, windows):
+    """Mistral's and Gemma 3's window (8 keys in the tiny configs, so the logits and greedy tests above run
+    to 6x the window) is each layer's attention window (Gemma 3: the local layers only), not a cap on the
+    context: max_model_len stays the model's own. With the windows switched off the logits leave
+    transformers', so those tests see the window."""
+    ours = load_model(family_dir(name), torch.float32)
+    assert ours.config.max_position_embeddings == 512 and ours.config.sliding_window == 8
+    assert [layer.self_attn.window for layer in ours.layers] == windows
+    for layer in ours.layers:
+        layer.self_attn.window = 0
+    ours.bind_attn_backend(get_attn_backend("cpu", torch.float32))
+    with pytest.raises(AssertionError):
+        _logits_match(ours, _hf_model(family_dir(name), name))
 
 
 def _write_gguf_header(path: Path, arch: str) -> Path:

@@ -11,10 +11,11 @@
 * **Query scaling** by ``query_pre_attn_scalar ** -0.5`` instead of head_dim ** -0.5.
 * **Local and global layers** (``layer_types``; by default 5 sliding-window layers then 1 global): each
   kind has its own rope base (local 10 000; global 1 000 000, with the config's scaling where set).
-* **Sliding window** (512 in 1B, 1024 in 4B+): the attention kernels have no window, so the context is
-  capped at ``sliding_window`` (a warning at load): within it a local layer's window covers every key and
-  the model is exact. Real window attention (and freeing the blocks that fall out of every window) is
-  not done.
+* **Sliding window** (512 in 1B, 1024 in 4B+) on the local layers: their attention sees the last
+  ``sliding_window`` positions (keys ``p - sliding_window + 1 .. p``, transformers' convention), on every
+  backend (:class:`~tinyvllm.model.layers.Attention` ``window``). The context runs to
+  ``max_position_embeddings`` (32K in 1B). Blocks before the window are skipped by the local layers'
+  kernels, not freed: the global layers read the whole context.
 * Optional ``final_logit_softcapping`` (``tanh(x / c) * c``; null in Gemma 3). ``attn_logit_softcapping``
   (Gemma 2) is refused: no kernel softcaps scores.
 
@@ -77,8 +78,9 @@ class Gemma3Config(LlamaConfig):
             d = {**d, "rope_parameters": rp["full_attention"]}
         d = {"head_dim": 256, **d}
         cfg = super().from_dict(d)
-        if "sliding_attention" in cfg.layer_types:
-            cfg.cap_to_sliding_window(cfg.sliding_window, "Gemma 3")
+        if "sliding_attention" in cfg.layer_types and not (cfg.sliding_window and int(cfg.sliding_window) > 0):
+            raise ValueError(f"Gemma 3 config: sliding_attention layers need a positive sliding_window, "
+                             f"got {cfg.sliding_window!r}")
         return cfg
 
 
@@ -92,7 +94,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Attention(h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias,
                                    scale=cfg.query_pre_attn_scalar ** -0.5, qk_norm_eps=eps,
-                                   rope_index=int(cfg.layer_types[index] == "sliding_attention"))
+                                   rope_index=int(cfg.layer_types[index] == "sliding_attention"),
+                                   window=int(cfg.sliding_window) if cfg.layer_types[index] == "sliding_attention" else 0)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.mlp = GatedMLP(h, cfg.intermediate_size, act="gelu_tanh")
