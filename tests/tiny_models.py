@@ -119,7 +119,7 @@ def write_family_gguf(hf_dir: Path, out: Path, *, linear_qtype: str = "F32") -> 
     import numpy as np
     from safetensors.numpy import load_file
 
-    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf
+    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf, gguf_reader
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     mt = cfg["model_type"]
@@ -128,7 +128,7 @@ def write_family_gguf(hf_dir: Path, out: Path, *, linear_qtype: str = "F32") -> 
     t = load_file(str(hf_dir / "model.safetensors"))
     n_head, n_kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // n_head
-    src = gguf.GGUFReader(str(_find_alias_gguf(DEFAULT_MODEL_ALIAS)))
+    src = gguf_reader(_find_alias_gguf(DEFAULT_MODEL_ALIAS))
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])

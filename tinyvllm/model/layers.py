@@ -171,6 +171,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     quant: Any = None  # a gguf_quant.QuantWeight (or QuantParts) once quantize() ran (native GGUF blocks)
+    # Row-parallel (tensor parallelism, tinyvllm.model.tensor_parallel): this rank holds a slice of the input
+    # columns; forward all-reduces the float32 partial sums over the group, then adds the bias once.
+    tp_group: Any = None
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # see Embedding.reset_parameters
@@ -190,11 +193,30 @@ class Linear(nn.Linear):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            return self.forward_row_parallel(x)
         if self.packed is not None:
             return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
         if self.quant is not None:
             return self.quant.run(self._kern, x, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
+
+    def partial_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias, as float32 sums (the GEMM's own on packed or GGUF weights)."""
+        if self.packed is not None:
+            return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, None, True)
+        if self.quant is not None:
+            return self.quant.run(self._kern, x, None, True)
+        return batch_invariant_linear(x, self.weight).float()
+
+    def forward_row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-parallel forward (Megatron-LM's ``RowParallelLinear``; vLLM ``linear.py``): this rank's
+        float32 partial sums [M, out], all-reduced over ``tp_group`` (every rank gets the same bits), plus
+        the bias, rounded once to ``x``'s dtype."""
+        y = self.tp_group.all_reduce_float32(self.partial_float32(x))
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with float32 outputs: on packed weights the GEMM's float32 sums as they are
