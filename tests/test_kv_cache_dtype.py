@@ -186,7 +186,7 @@ def _int8_ref(q, cache, bt, bs, pos, d, quantize_q):
 
 
 @needs_kernels
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("path", _int8_qk_paths())
 def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d):
     """The int8 Q K^T kernel (attention_int8.h; VPDPBUSD with the +128 offset, or AMX-INT8): against
