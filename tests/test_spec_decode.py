@@ -471,9 +471,9 @@ def _power(p: np.ndarray, n: int, shift: float = 0.02, reps: int = 400, alpha: f
 
 @pytest.mark.slow
 def test_sampling_distribution_large_sample(peaked_tiny_model):
-    """16,000 samples per arm: power >= 0.9 to detect a 2% shift of probability mass at each position
+    """24,000 samples per arm: power >= 0.9 to detect a 2% shift of probability mass at each position
     (simulated for the measured distribution, alpha 1e-3); the test passes at p > 1e-3."""
-    n = 16000
+    n = 24000
     off, _ = _check_same_distribution(peaked_tiny_model, n)
     for j in range(3):
         power = _power(off[j] / off[j].sum(), n)
