@@ -117,7 +117,8 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             _send_error(out_sock, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             code = 1
         finally:
-            core.shutdown()
+            if config.parallel_config.tensor_parallel_size > 1:
+                core.shutdown()  # the rank processes (in-process workers need nothing)
     finally:
         in_sock.close(0)
         out_sock.close()

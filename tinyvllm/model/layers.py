@@ -258,12 +258,14 @@ class Attention(nn.Module):
     ``qk_norm_eps``, ``q_norm`` / ``k_norm`` are RMSNorms over each head's D features applied before
     RoPE (Qwen3, Gemma 3; vLLM ``qwen3.py``). ``scale``: the softmax scale (default D^-0.5).
     ``rope_index`` picks this layer's rotary among the model's (per-layer rope bases, NoPE layers).
+    ``window`` > 0: a sliding-window layer (a query at position p attends to keys p - window + 1 .. p;
+    Mistral, Gemma 3's local layers); 0: the whole causal context.
     The RoPE, KV-cache write and paged attention are the bound backend's :meth:`AttentionBackend.attention`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, scale: float | None = None,
-                 qk_norm_eps: float | None = None, rope_index: int = 0) -> None:
+                 qk_norm_eps: float | None = None, rope_index: int = 0, window: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -276,6 +278,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rope_index = rope_index
+        self.window = int(window or 0)
         self._be: Any = None
 
     def bind(self, backend: Any) -> None:
@@ -289,7 +292,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         o = be.attention(qkv, kv_cache, md, ropes[self.rope_index], self.num_heads, self.num_kv_heads,
-                         self.head_dim, self.scale)
+                         self.head_dim, self.scale, self.window)
         return self.o_proj.forward(o)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
