@@ -140,12 +140,12 @@ def write_gguf(cfg: dict[str, Any], tensors: Iterable[tuple[str, Any]], out: str
     import gguf
     import numpy as np
 
-    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf
+    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf, gguf_reader
 
     arch = _GGUF_ARCH[cfg["model_type"]]
     n_head, n_kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // n_head
-    src = gguf.GGUFReader(str(_find_alias_gguf(DEFAULT_MODEL_ALIAS)))
+    src = gguf_reader(_find_alias_gguf(DEFAULT_MODEL_ALIAS))
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
