@@ -31,7 +31,6 @@ for shape in "${shapes[@]}"; do
   f=$DIR/$shape-${QTYPE,,}.gguf
   [ -f "$f" ] || PYTHONPATH=$ROOT "$PY" -m tinyvllm.model.dummy "$f" --shape "$shape" --gguf "$QTYPE"
   mml=1024
-  [ "$shape" = gemma-3-1b ] && mml=512  # tinyvllm caps Gemma 3 at its sliding window (512) for now
   tv="TINYVLLM_ENGINE_START_TIMEOUT=3600 PYTHONPATH=$ROOT $PY -m tinyvllm.entrypoints.cli serve --model $f --quantization gguf --port $PORT --served-model-name dummy --max-model-len $mml"
   lc="$LLAMA/llama-server -m $f -a dummy --port $((PORT + 1)) -t 2 -np 16 --cont-batching -c $CTX"
   PY=$PY "$PY" "$ROOT/benchmarks/side_by_side.py" --model dummy --out "$RESULTS/$shape" --no-prefix \

@@ -84,8 +84,9 @@ def ref_gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
     return torch.stack(rows)
 
 
-def ref_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale):
-    """q [num_tokens, H, D]; returns float32 [num_tokens, H, D]."""
+def ref_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window=0):
+    """q [num_tokens, H, D]; returns float32 [num_tokens, H, D]. ``window`` > 0: a query at position p
+    sees keys p - window + 1 .. p only (sliding window)."""
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -104,6 +105,8 @@ def ref_attention(q, key_cache, value_cache, block_tables, seq_lens, query_start
         q_pos = torch.arange(seq_len - q_len, seq_len)
         k_pos = torch.arange(seq_len)
         causal = k_pos[None, :] <= q_pos[:, None]
+        if window:
+            causal &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~causal[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v)
@@ -210,9 +213,10 @@ class Scenario:
             assert torch.equal(k, self.full_k[i].float())
             assert torch.equal(v, self.full_v[i].float())
 
-    def reference(self):
+    def reference(self, window=0):
         return ref_attention(
-            self.q, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale
+            self.q, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale,
+            window,
         )
 
 
@@ -367,6 +371,33 @@ def test_decode_matches_prefill_and_handles_empty_sequence():
         out = tk.paged_decode_attention(q, sc.key_cache, sc.value_cache, bt, sl, sc.scale, num_splits=splits, block_n=16)
         assert torch.equal(out[-1].cpu(), torch.zeros_like(out[-1]).cpu())
         assert rel_err(out[:-1], dec) <= 1e-5
+
+
+@pytest.mark.parametrize("window", [pytest.param(1, marks=pytest.mark.slow), 13,
+                                    pytest.param(200, marks=pytest.mark.slow)])
+def test_sliding_window_prefill_and_decode(window):
+    """A sliding-window layer (Mistral, Gemma 3's local layers): each query sees keys p - window + 1 .. p.
+    Prefill chunks (a fresh prompt, a chunk after a cached prefix) and decode rows (split or not) against
+    the masked reference; windows of one key, shorter than a tile and a block edge away, and longer than
+    every context (equal to no window)."""
+    sc = Scenario([0, 37], [40, 20], 4, 2, 16, 8, torch.float32, seed=11)
+    sc.cache_new_tokens()
+    out = torch.full_like(sc.q, NAN)
+    tk.paged_prefill_attention(sc.q, sc.key_cache, sc.value_cache, sc.block_tables, sc.seq_lens,
+                               sc.query_start_loc, sc.scale, out=out, block_m=16, block_n=16, window=window)
+    assert rel_err(out, sc.reference(window)) <= TOL[torch.float32]
+    dc = Scenario([0, 6, 40, 66], [1] * 4, 4, 2, 16, 8, torch.float32, seed=12)
+    dc.cache_new_tokens()
+    for splits in (1, 3):
+        dec = tk.paged_decode_attention(dc.q, dc.key_cache, dc.value_cache, dc.block_tables, dc.seq_lens,
+                                        dc.scale, num_splits=splits, block_n=16, window=window)
+        assert rel_err(dec, dc.reference(window)) <= TOL[torch.float32]
+    if window == 200:
+        plain = tk.paged_prefill_attention(sc.q, sc.key_cache, sc.value_cache, sc.block_tables, sc.seq_lens,
+                                           sc.query_start_loc, sc.scale, block_m=16, block_n=16)
+        assert torch.equal(out, plain)
+    else:
+        assert rel_err(out, sc.reference()) > 10 * TOL[torch.float32]  # the window changes the output
 
 
 # ---------------------------------------------------------------------------

@@ -55,11 +55,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_theta": 2000000.0, "rope_type": "default"})),
     "mistral": dict(cls="Mistral", gguf_arch=None, cfg=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, tie_word_embeddings=False, sliding_window=96,
+        head_dim=32, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})),
     "gemma3": dict(cls="Gemma3Text", model="Gemma3", gguf_arch="gemma3", cfg=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, query_pre_attn_scalar=32, sliding_window=96, tie_word_embeddings=True,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, tie_word_embeddings=True,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],  # llama.cpp's fixed pattern of 6
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),

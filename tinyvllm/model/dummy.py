@@ -11,8 +11,8 @@ detokenizes. The engine then fills the weights with seeded random values
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 # Llama-3.2-1B's config.json fields (published shape: 16 layers, hidden 2048, 32 query / 8 KV heads
@@ -49,8 +49,7 @@ QWEN3_0_6B: dict[str, Any] = {
 }
 
 # Gemma-3-1B-it's published config.json (26 layers, hidden 1152, 4 query / 1 KV head of 256, GeGLU 6912,
-# vocab 262144, sliding window 512 on 5 of every 6 layers, rope 1e6 global / 1e4 local). The window caps
-# max_model_len at 512 here (the kernels have no window: tinyvllm.model.gemma3).
+# vocab 262144, sliding window 512 on 5 of every 6 layers, rope 1e6 global / 1e4 local).
 GEMMA3_1B: dict[str, Any] = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
     "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,

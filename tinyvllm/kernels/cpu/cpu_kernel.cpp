@@ -108,7 +108,8 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
                     const torch::Tensor& block_tables, // [S, max_blocks] int64
                     const torch::Tensor& token_seq,    // [T] int64
                     const torch::Tensor& token_pos,    // [T] int64
-                    double scale, torch::Tensor& out) {  // [T, Hq, D] float32 or C
+                    double scale, torch::Tensor& out,  // [T, Hq, D] float32 or C
+                    int64_t window = 0) {  // > 0: keys at positions [pos - window + 1, pos] only
   const int64_t num_tokens = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk;
@@ -128,10 +129,11 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hk, hk = item % Hk;
       const int64_t ctx = posp[t] + 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // first key (sliding window)
       const int64_t* bt = btp + seqp[t] * max_blocks;
       scores.resize(G * ctx);
       // Pass 1: scores for the G query heads sharing this KV head.
-      for (int64_t j = 0; j < ctx; ++j) {
+      for (int64_t j = lo; j < ctx; ++j) {
         const int64_t slot = bt[j / bs] * bs + (j % bs);
         const C* krow = kp + (slot * Hk + hk) * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -144,13 +146,13 @@ void attention_scalar(const torch::Tensor& q,            // [T, Hq, D] float32
       for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) m = s[j] > m ? s[j] : m;
-        for (int64_t j = 0; j < ctx; ++j) s[j] = exp_nonpos(s[j] - m);
+        for (int64_t j = lo; j < ctx; ++j) m = s[j] > m ? s[j] : m;
+        for (int64_t j = lo; j < ctx; ++j) s[j] = exp_nonpos(s[j] - m);
         float sum = 0.0f;
-        for (int64_t j = 0; j < ctx; ++j) sum += s[j];
+        for (int64_t j = lo; j < ctx; ++j) sum += s[j];
         const float inv = 1.0f / sum;
         float* a = acc.data() + g * D;
-        for (int64_t j = 0; j < ctx; ++j) {
+        for (int64_t j = lo; j < ctx; ++j) {
           const int64_t slot = bt[j / bs] * bs + (j % bs);
           const C* vrow = vp + (slot * Hk + hk) * D;
           const float p = s[j];
@@ -212,7 +214,7 @@ inline void quantize_row(const float* x, int64_t D, uint8_t* out) {
 template <int Kind, typename O>
 void attention_scalar_q(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                        const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+                        const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
   const int64_t num_tokens = q.size(0), Hq = q.size(1), D = q.size(2), RD = D + 2;
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk;
@@ -232,29 +234,30 @@ void attention_scalar_q(const torch::Tensor& q, const torch::Tensor& key_cache, 
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / Hk, hk = item % Hk;
       const int64_t ctx = posp[t] + 1;
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // first key (sliding window)
       const int64_t* bt = btp + seqp[t] * max_blocks;
       scores.resize(G * ctx);
       kf.resize(ctx * D);
       vf.resize(ctx * D);
-      for (int64_t j = 0; j < ctx; ++j) {
+      for (int64_t j = lo; j < ctx; ++j) {
         const int64_t slot = bt[j / bs] * bs + (j % bs);
         dequant_row<Kind>(kp + (slot * Hk + hk) * RD, D, kf.data() + j * D);
         dequant_row<Kind>(vp + (slot * Hk + hk) * RD, D, vf.data() + j * D);
       }
-      for (int64_t j = 0; j < ctx; ++j)
+      for (int64_t j = lo; j < ctx; ++j)
         for (int64_t g = 0; g < G; ++g)
           scores[g * ctx + j] = dot(qp + (t * Hq + hk * G + g) * D, kf.data() + j * D, D) * fscale;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * ctx;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) m = sc[j] > m ? sc[j] : m;
-        for (int64_t j = 0; j < ctx; ++j) sc[j] = exp_nonpos(sc[j] - m);
+        for (int64_t j = lo; j < ctx; ++j) m = sc[j] > m ? sc[j] : m;
+        for (int64_t j = lo; j < ctx; ++j) sc[j] = exp_nonpos(sc[j] - m);
         float sum = 0.0f;
-        for (int64_t j = 0; j < ctx; ++j) sum += sc[j];
+        for (int64_t j = lo; j < ctx; ++j) sum += sc[j];
         const float inv = 1.0f / sum;
         float* a = acc.data() + g * D;
-        for (int64_t j = 0; j < ctx; ++j) {
+        for (int64_t j = lo; j < ctx; ++j) {
           const float pj = sc[j];
           const float* vrow = vf.data() + j * D;
           for (int64_t d = 0; d < D; ++d) a[d] += pj * vrow[d];
@@ -395,15 +398,15 @@ inline void prefetch_slot(const C* base, int64_t slot, int64_t row_elems) {
 
 template <typename C, int ND, int NH>
 inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
-                          int64_t hk, int64_t n, float* res, bool prefetch) {
+                          int64_t hk, int64_t n, float* res, bool prefetch, int64_t j_lo = 0) {
   constexpr int D = ND * 16;
   constexpr int64_t kAhead = 16;  // positions
   __m512 acc[NH][ND];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_setzero_ps();
-  int64_t blk = 0, off = 0;
-  int64_t pblk = kAhead / bs, poff = kAhead % bs;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t blk = j_lo / bs, off = j_lo % bs;
+  int64_t pblk = (j_lo + kAhead) / bs, poff = (j_lo + kAhead) % bs;
+  for (int64_t j = j_lo; j < n; ++j) {
     const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
     if (++off == bs) off = 0, ++blk;
     if (prefetch && j + kAhead < n) {
@@ -424,7 +427,7 @@ inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t*
 template <typename C, typename O, int ND>
 void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                       const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                      const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+                      const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
   constexpr int D = ND * 16;
   const int64_t num_tokens = q.size(0), Hq = q.size(1);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
@@ -454,10 +457,11 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
       const int64_t stride = nchunks * 16;
       const int64_t pairs = rows * G;
       scores.resize(pairs * stride);
-      int64_t ctx[kTileRows * kMaxGroup];
+      int64_t ctx[kTileRows * kMaxGroup], lo[kTileRows * kMaxGroup];  // lo: first key (sliding window)
       const float* qrow[kTileRows * kMaxGroup];
       for (int64_t p = 0; p < pairs; ++p) {
         ctx[p] = posp[t0 + p / G] + 1;
+        lo[p] = window > 0 ? std::max<int64_t>(0, ctx[p] - window) : 0;
         qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
       }
       // Cache rows of context positions j0..j0+15 (a zero row past the context), via the block table.
@@ -488,13 +492,13 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
           if (++off == bs) off = 0, ++blk;
         }
       };
-      if (prefetch) prefetch_chunk(kp, 0);
-      for (int64_t c = 0; c < nchunks; ++c) {
+      if (prefetch) prefetch_chunk(kp, lo[0] / 16 * 16);
+      for (int64_t c = lo[0] / 16; c < nchunks; ++c) {
         const int64_t j0 = c * 16;
         rows_of(j0);
         if (prefetch) prefetch_chunk(kp, j0 + 16);
         for (int64_t p = 0; p < pairs; ++p) {
-          if (ctx[p] <= j0) continue;
+          if (ctx[p] <= j0 || lo[p] >= j0 + 16) continue;
           QueryRow<C, ND> qr;
           qr.load(qrow[p]);
           __m512 part[16];
@@ -509,14 +513,18 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
         const int64_t n = ctx[p];
         const int64_t full = n / 16, tail = n % 16;
         const __mmask16 tmask = static_cast<__mmask16>((1u << tail) - 1u);
+        // Sliding window: chunks before c_lo are skipped, positions before lo in chunk c_lo masked.
+        const int64_t c_lo = lo[p] / 16;
+        const __mmask16 hmask = static_cast<__mmask16>(0xFFFFu << (lo[p] % 16));
         __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t c = 0; c < full; ++c) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + c * 16));
-        if (tail) mv = _mm512_mask_max_ps(mv, tmask, mv, _mm512_loadu_ps(s + full * 16));
+        for (int64_t c = c_lo; c < full; ++c) mv = _mm512_mask_max_ps(mv, c == c_lo ? hmask : 0xFFFF, mv, _mm512_loadu_ps(s + c * 16));
+        if (tail) mv = _mm512_mask_max_ps(mv, tmask & (full == c_lo ? hmask : 0xFFFF), mv, _mm512_loadu_ps(s + full * 16));
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
+        for (int64_t c = c_lo; c < full + (tail ? 1 : 0); ++c) {
           __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), m));
           if (c == full) e = _mm512_maskz_mov_ps(tmask, e);
+          if (c == c_lo) e = _mm512_maskz_mov_ps(hmask, e);
           _mm512_storeu_ps(s + c * 16, e);
           sum = _mm512_add_ps(sum, e);
         }
@@ -538,12 +546,13 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
           }
           alignas(64) float res[4 * D];
           const bool pf = prefetch && r == 0 && h0 == 0;
-          if (pf) prefetch_chunk(vp, 0);
+          const int64_t jl = lo[r * G];
+          if (pf) prefetch_chunk(vp, jl);
           switch (nh) {
-            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
-            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
-            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
-            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, pf); break;
+            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
           }
           for (int i = 0; i < nh; ++i) {
             O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
@@ -706,6 +715,7 @@ struct PairState {
   alignas(64) float o[ND * 16];
   float m;
   int32_t pos;  // the row's position: tile positions after it are masked
+  int32_t lo;   // the row's first key (sliding window; 0 without): tile positions before it are masked
 };
 
 // 2^x lane-wise for finite x (denormal or 0 below -126; x <= 0 where the softmax calls it):
@@ -733,11 +743,11 @@ inline __m512 exp2_fast16(__m512 x) {
 // added (not on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no
 // scaling). Which branches run depends only on the pair's own position,
 // scores and the tile, never on the other rows.
-template <int ND, bool kTileSum = false>
+template <int ND, bool kTileSum = false, __m512 (*Exp2)(__m512) = exp2_fast16>  // Exp2: attention_int8.h's may differ
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
                            __m512& alpha) {
   constexpr int NC = kKvTile / 16;
-  const bool full = ps.pos - j0 >= kKvTile - 1;  // no position of the tile is after the row
+  const bool full = ps.pos - j0 >= kKvTile - 1 && ps.lo <= j0;  // every position of the tile is in the row's range
   __mmask16 mk[NC];
   __m512 mx;
   static_assert(NC == 4, "the max below takes four score vectors");
@@ -745,10 +755,11 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     mx = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   } else {
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i lim = _mm512_set1_epi32(ps.pos - j0);
+    const __m512i lim = _mm512_set1_epi32(ps.pos - j0), first = _mm512_set1_epi32(ps.lo - j0);
     mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int c = 0; c < NC; ++c) {
-      mk[c] = _mm512_cmple_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(c * 16)), lim);
+      const __m512i jc = _mm512_add_epi32(iota, _mm512_set1_epi32(c * 16));
+      mk[c] = _mm512_cmple_epi32_mask(jc, lim) & _mm512_cmpge_epi32_mask(jc, first);
       mx = _mm512_mask_max_ps(mx, mk[c], mx, s[c]);
     }
   }
@@ -760,14 +771,14 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     const float m_new = _mm512_reduce_max_ps(mx);
     if (ps.m != -std::numeric_limits<float>::infinity()) {  // the first tile: o = l = 0, nothing to scale
       changed = true;
-      alpha = exp2_fast16(_mm512_set1_ps(ps.m - m_new));
+      alpha = Exp2(_mm512_set1_ps(ps.m - m_new));
     }
     ps.m = m_new;
   }
   const __m512 mv = _mm512_set1_ps(ps.m);
   __m512 p[NC];
   for (int c = 0; c < NC; ++c) {
-    p[c] = exp2_fast16(_mm512_fmsub_ps(s[c], vlog2, mv));
+    p[c] = Exp2(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
   if constexpr (kTileSum) {
@@ -939,7 +950,7 @@ inline void tile_pairs_amx(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int
 template <typename O, int ND, int Kind = kKvBf16>
 void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                     const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+                     const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
   using C = typename PackedTile<ND, Kind>::E;  // a cache row's elements: bf16, or bytes (+ the scale)
   constexpr int D = ND * 16, NG = kGroupPairs<ND>;
   constexpr int RD = Kind == kKvBf16 ? D : D + 2;  // elements per cache row
@@ -998,6 +1009,7 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         _mm512_store_ps(s.l, _mm512_setzero_ps());
         for (int v = 0; v < ND; ++v) _mm512_store_ps(s.o + v * 16, _mm512_setzero_ps());
         s.pos = static_cast<int32_t>(pos0 + p / G);
+        s.lo = window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, s.pos + 1 - window)) : 0;
       }
       // Tile positions [j0, j0 + kKvTile) through the block table, whole blocks at a time.
       const auto fill = [&](int64_t j0, const C** kr, const C** vr) {
@@ -1009,9 +1021,12 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         }
         for (; j < kKvTile; ++j) kr[j] = vr[j] = zero_row;
       };
+      // Sliding window: the tiles before the first row's first key are skipped; a tile is taken only
+      // by the rows whose [lo, pos] meets it, so a row's tiles are lo / kKvTile .. pos / kKvTile.
+      const int64_t jstart = st[0].lo / kKvTile * kKvTile;
       int cur = 0;
-      fill(0, rows[0][0], rows[0][1]);
-      for (int64_t j0 = 0; j0 < ctx_max; j0 += kKvTile, cur ^= 1) {
+      fill(jstart, rows[0][0], rows[0][1]);
+      for (int64_t j0 = jstart; j0 < ctx_max; j0 += kKvTile, cur ^= 1) {
         const bool more = j0 + kKvTile < ctx_max;
         if (more) fill(j0 + kKvTile, rows[cur ^ 1][0], rows[cur ^ 1][1]);
         // The block table scatters the rows, so the hardware prefetchers do not follow them: the next
@@ -1021,16 +1036,19 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
         tile->pack(rows[cur][0], rows[cur][1], pf ? rows[cur ^ 1][0] : nullptr, pf ? rows[cur ^ 1][1] : nullptr);
         // Rows whose position is before this tile are done with it; the others take it.
         const int64_t first = std::max<int64_t>(0, j0 - pos0) * G;
+        // Rows whose first key is past this tile have not reached it (only with a window).
+        const int64_t last = window > 0 ? std::min<int64_t>(pairs, std::max<int64_t>(0, j0 + kKvTile + window - 1 - pos0) * G)
+                                        : pairs;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
         if (use_amx) {
-          for (int64_t p = first; p < pairs; p += 16)
-            tile_pairs_amx<ND, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, pairs - p)),
+          for (int64_t p = first; p < last; p += 16)
+            tile_pairs_amx<ND, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(16, last - p)),
                                static_cast<int32_t>(j0), vscale);
           continue;
         }
 #endif
-        for (int64_t p = first; p < pairs; p += NG)
-          tile_group<ND, NG, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
+        for (int64_t p = first; p < last; p += NG)
+          tile_group<ND, NG, Kind>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, last - p)),
                          static_cast<int32_t>(j0), vscale);
       }
       for (int64_t p = 0; p < pairs; ++p) {
@@ -1044,6 +1062,8 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 #endif
   });
 }
+
+#include "attention_int8.h"  // issue 39: the int8 Q K^T over an int8 cache (attention_tiled_i8)
 
 // The bf16 dot-product ceiling of tile_pairs' inner loop (the benchmark's reference): per dim pair,
 // 4 K vectors loaded from L1 and 6 broadcast queries, 24 independent vdpbf16ps chains, on every
@@ -1262,13 +1282,13 @@ inline __m256 lane_mask8(int64_t n) {
 
 template <typename C, int ND, int NH>
 inline void pv_accumulate8(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
-                           int64_t hk, int64_t n, float* res) {
+                           int64_t hk, int64_t n, float* res, int64_t j_lo = 0) {
   constexpr int D = ND * 8;
   __m256 acc[NH][ND];
   for (int h = 0; h < NH; ++h)
     for (int v = 0; v < ND; ++v) acc[h][v] = _mm256_setzero_ps();
-  int64_t blk = 0, off = 0;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t blk = j_lo / bs, off = j_lo % bs;
+  for (int64_t j = j_lo; j < n; ++j) {
     const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
     if (++off == bs) off = 0, ++blk;
     __m256 vv[ND];
@@ -1285,7 +1305,7 @@ inline void pv_accumulate8(const float* const* probs, const C* vp, const int64_t
 template <typename C, typename O, int ND>
 void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                    const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+                    const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
   constexpr int D = ND * 8;
   const int64_t num_tokens = q.size(0), Hq = q.size(1);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
@@ -1313,14 +1333,15 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
       const int64_t ctx_max = posp[t0 + rows - 1] + 1;
       const int64_t nchunks = (ctx_max + 7) / 8, stride = nchunks * 8, pairs = rows * G;
       scores.resize(pairs * stride);
-      int64_t ctx[kTileRows2 * kMaxGroup2];
+      int64_t ctx[kTileRows2 * kMaxGroup2], lo[kTileRows2 * kMaxGroup2];  // lo: first key (sliding window)
       const float* qrow[kTileRows2 * kMaxGroup2];
       for (int64_t p = 0; p < pairs; ++p) {
         ctx[p] = posp[t0 + p / G] + 1;
+        lo[p] = window > 0 ? std::max<int64_t>(0, ctx[p] - window) : 0;
         qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
       }
       // Pass 1: scores = (q . k) * scale, 8 positions at a time (a zero row past the tile's context).
-      for (int64_t c = 0; c < nchunks; ++c) {
+      for (int64_t c = lo[0] / 8; c < nchunks; ++c) {
         const int64_t j0 = c * 8;
         const C* krow[8];
         int64_t blk = j0 / bs, off = j0 % bs;
@@ -1333,7 +1354,7 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
           }
         }
         for (int64_t p = 0; p < pairs; ++p) {
-          if (ctx[p] <= j0) continue;
+          if (ctx[p] <= j0 || lo[p] >= j0 + 8) continue;
           __m256 qv[ND];
           for (int v = 0; v < ND; ++v) qv[v] = _mm256_loadu_ps(qrow[p] + v * 8);
           __m256 part[8];
@@ -1351,18 +1372,26 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
         float* s = scores.data() + p * stride;
         const int64_t n = ctx[p], full = n / 8, tail = n % 8;
         const __m256 tmask = lane_mask8(tail), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        // Sliding window: chunks before c_lo are skipped, positions before lo in chunk c_lo masked.
+        const int64_t c_lo = lo[p] / 8;
+        const __m256 hmask = _mm256_andnot_ps(lane_mask8(lo[p] % 8), _mm256_castsi256_ps(_mm256_set1_epi32(-1)));
         __m256 mv = ninf;
-        for (int64_t c = 0; c < full; ++c) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + c * 8));
-        if (tail) mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + full * 8), tmask));
+        for (int64_t c = c_lo; c < full; ++c) {
+          const __m256 x = _mm256_loadu_ps(s + c * 8);
+          mv = _mm256_max_ps(mv, c == c_lo ? _mm256_blendv_ps(ninf, x, hmask) : x);
+        }
+        if (tail) mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + full * 8),
+                                                          full == c_lo ? _mm256_and_ps(tmask, hmask) : tmask));
         alignas(32) float ml[8];
         _mm256_store_ps(ml, mv);
         float mx = ml[0];
         for (int i = 1; i < 8; ++i) mx = ml[i] > mx ? ml[i] : mx;
         const __m256 m = _mm256_set1_ps(mx);
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t c = 0; c < full + (tail ? 1 : 0); ++c) {
+        for (int64_t c = c_lo; c < full + (tail ? 1 : 0); ++c) {
           __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c * 8), m));
           if (c == full) e = _mm256_and_ps(e, tmask);
+          if (c == c_lo) e = _mm256_and_ps(e, hmask);
           _mm256_storeu_ps(s + c * 8, e);
           sum = _mm256_add_ps(sum, e);
         }
@@ -1376,11 +1405,12 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
           const float* probs[4];
           for (int i = 0; i < nh; ++i) probs[i] = scores.data() + (r * G + h0 + i) * stride;
           alignas(32) float res[4 * D];
+          const int64_t jl = lo[r * G];
           switch (nh) {
-            case 1: pv_accumulate8<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            case 2: pv_accumulate8<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            case 3: pv_accumulate8<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res); break;
-            default: pv_accumulate8<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res); break;
+            case 1: pv_accumulate8<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
+            case 2: pv_accumulate8<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
+            case 3: pv_accumulate8<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
+            default: pv_accumulate8<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
           }
           for (int i = 0; i < nh; ++i) {
             const __m256 iv = _mm256_set1_ps(inv[r * G + h0 + i]);
@@ -1398,15 +1428,15 @@ void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, cons
 template <typename C, typename O>
 void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                    const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
+                    const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, c10::BFloat16>) {
     if (g_vector_kernels && g_tiled_attention) {
       switch (q.size(2)) {
-        case 32: return attention_tiled<O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-        case 64: return attention_tiled<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-        case 96: return attention_tiled<O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-        case 128: return attention_tiled<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+        case 32: return attention_tiled<O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+        case 64: return attention_tiled<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+        case 96: return attention_tiled<O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+        case 128: return attention_tiled<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
         default: break;
       }
     }
@@ -1415,11 +1445,11 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
 #if defined(TINYVLLM_AVX512)
   if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup) {
     switch (q.size(2)) {
-      case 16: return attention_avx512<C, O, 1>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 32: return attention_avx512<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 64: return attention_avx512<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 96: return attention_avx512<C, O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 128: return attention_avx512<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 16: return attention_avx512<C, O, 1>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 32: return attention_avx512<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 64: return attention_avx512<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 96: return attention_avx512<C, O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 128: return attention_avx512<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
       default: break;
     }
   }
@@ -1427,16 +1457,16 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
 #if defined(TINYVLLM_AVX2)
   if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup2) {
     switch (q.size(2)) {
-      case 16: return attention_avx2<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 32: return attention_avx2<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 64: return attention_avx2<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 96: return attention_avx2<C, O, 12>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-      case 128: return attention_avx2<C, O, 16>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      case 16: return attention_avx2<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 32: return attention_avx2<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 64: return attention_avx2<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 96: return attention_avx2<C, O, 12>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 128: return attention_avx2<C, O, 16>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
       default: break;
     }
   }
 #endif
-  attention_scalar<C, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  attention_scalar<C, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
 }
 
 // Paged attention over an int8 / fp8 cache: the tiled kernel on AVX512-BF16 (where allow_tiled: not
@@ -1445,12 +1475,18 @@ template <typename O>
 void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const torch::Tensor& key_cache,
                       const torch::Tensor& value_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& token_seq, const torch::Tensor& token_pos, double scale,
-                      torch::Tensor& out) {
+                      torch::Tensor& out, int64_t window = 0) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
   if (allow_tiled && g_vector_kernels && g_tiled_attention) {
+#if defined(TINYVLLM_INT8_QK)
+    if (kind == kKvInt8 && g_int8_qk) {
+      if (q.size(2) == 64) return attention_tiled_i8<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      if (q.size(2) == 128) return attention_tiled_i8<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    }
+#endif
 #define TINYVLLM_QT(ND) return kind == kKvInt8 \
-      ? attention_tiled<O, ND, kKvInt8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out) \
-      : attention_tiled<O, ND, kKvFp8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      ? attention_tiled<O, ND, kKvInt8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window) \
+      : attention_tiled<O, ND, kKvFp8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
     switch (q.size(2)) {
       case 32: TINYVLLM_QT(2)
       case 64: TINYVLLM_QT(4)
@@ -1461,8 +1497,8 @@ void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const 
 #undef TINYVLLM_QT
   }
 #endif
-  if (kind == kKvInt8) attention_scalar_q<kKvInt8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
-  else attention_scalar_q<kKvFp8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  if (kind == kKvInt8) attention_scalar_q<kKvInt8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+  else attention_scalar_q<kKvFp8, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
 }
 
 // The KV kind of a cache tensor: int8 -> kKvInt8, uint8 (e4m3 bits) -> kKvFp8, else kKvBf16 (model dtype).
@@ -1476,8 +1512,9 @@ inline int kv_kind(const torch::Tensor& cache) {
 
 torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                   torch::Tensor block_tables, torch::Tensor token_seq,
-                                  torch::Tensor token_pos, double scale) {
+                                  torch::Tensor token_pos, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "q must be [T, Hq, D] float32");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, block_size, Hk, D]");
   q = q.contiguous();
@@ -1486,11 +1523,11 @@ torch::Tensor paged_attention_cpu(torch::Tensor q, torch::Tensor key_cache, torc
   if (const int kind = kv_kind(key_cache); kind != kKvBf16) {
     TORCH_CHECK(key_cache.size(3) == q.size(2) + 2 && value_cache.scalar_type() == key_cache.scalar_type(),
                 "a quantized cache is [num_blocks, block_size, Hk, D + 2] int8 / uint8 (e4m3) for K and V");
-    attention_q_impl<float>(kind, true, q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_q_impl<float>(kind, true, q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
   } else if (key_cache.scalar_type() == torch::kBFloat16) {
-    attention_impl<c10::BFloat16, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_impl<c10::BFloat16, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
   } else if (key_cache.scalar_type() == torch::kFloat32) {
-    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
   } else {
     TORCH_CHECK(false, "unsupported KV cache dtype");
   }
@@ -1745,10 +1782,12 @@ torch::Tensor silu_and_mul_cpu(torch::Tensor x) {
 }
 
 // Rotary + KV-cache write + paged attention for one layer: qkv [T, (Hq+2Hk)*D] -> out [T, Hq*D].
+// window > 0: a sliding-window layer (a query at position p attends to keys p - window + 1 .. p).
 torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                        torch::Tensor positions, torch::Tensor kv_cache,
                                        torch::Tensor slot_mapping, torch::Tensor block_tables,
-                                       torch::Tensor token_seq, int64_t Hq, int64_t Hk, double scale) {
+                                       torch::Tensor token_seq, int64_t Hq, int64_t Hk, double scale,
+                                       int64_t window) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [T, (Hq+2Hk)*D] with unit inner stride");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be [2, nb, bs, Hk, D]");
   const int kind = kv_kind(kv_cache);
@@ -1765,13 +1804,13 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
         rope_and_cache_q_impl<c10::BFloat16, kKvInt8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
       else
         rope_and_cache_q_impl<c10::BFloat16, kKvFp8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-      attention_q_impl<c10::BFloat16>(kind, true, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+      attention_q_impl<c10::BFloat16>(kind, true, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out, window);
     } else if (qkv.scalar_type() == torch::kFloat32) {
       if (kind == kKvInt8)
         rope_and_cache_q_impl<float, kKvInt8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
       else
         rope_and_cache_q_impl<float, kKvFp8>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-      attention_q_impl<float>(kind, false, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+      attention_q_impl<float>(kind, false, q, key_cache, value_cache, block_tables, token_seq, positions, scale, out, window);
     } else {
       TORCH_CHECK(false, "unsupported dtype");
     }
@@ -1779,10 +1818,10 @@ torch::Tensor rope_cache_attention_cpu(torch::Tensor qkv, torch::Tensor cos, tor
   }
   if (qkv.scalar_type() == torch::kBFloat16) {
     rope_and_cache_impl<c10::BFloat16>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-    attention_impl<c10::BFloat16, c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    attention_impl<c10::BFloat16, c10::BFloat16>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out, window);
   } else if (qkv.scalar_type() == torch::kFloat32) {
     rope_and_cache_impl<float>(qkv, cos, sin, positions, key_cache, value_cache, slot_mapping, Hq, Hk, q);
-    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out);
+    attention_impl<float, float>(q, key_cache, value_cache, block_tables, token_seq, positions, scale, out, window);
   } else {
     TORCH_CHECK(false, "unsupported dtype");
   }
@@ -1837,7 +1876,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16", &gemm_bf16, "y = x @ W^T (+ bias) in bf16 on packed W, batch invariant (out_float: the "
         "float32 sums, not rounded to bf16)", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"),
         py::arg("bias") = py::none(), py::arg("out_float") = false);
-  m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU)");
+  m.def("paged_attention", &paged_attention_cpu, "paged attention, one query row at a time (CPU); window > 0: "
+        "keys at positions [pos - window + 1, pos] only (sliding window)",
+        pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"), pybind11::arg("block_tables"),
+        pybind11::arg("token_seq"), pybind11::arg("token_pos"), pybind11::arg("scale"), pybind11::arg("window") = 0);
   m.def("rms_norm", &rms_norm_cpu, "RMSNorm with optional fused residual add -> (out, residual)");
   m.def("silu_and_mul", &silu_and_mul_cpu, "SwiGLU activation: silu(x[:, :I]) * x[:, I:]");
   m.def("set_vector_kernels", [](bool on) { g_vector_kernels = on; },
@@ -1902,6 +1944,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return 0.0;
 #endif
   }, "FLOP/s of a TDPBSSD (AMX-INT8) loop shaped like amx_dot_ceiling's, all threads (0 without AMX-INT8)");
+  m.def("has_int8_attention", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(TINYVLLM_INT8_QK)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the int8 Q K^T attention over an int8 cache (attention_int8.h: VPDPBUSD / AMX-INT8) was compiled in");
+  m.def("set_int8_attention", [](bool on, int64_t profile, bool exp3) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(TINYVLLM_INT8_QK)
+    g_int8_qk = on;
+    g_int8_profile = static_cast<int>(profile);
+    g_int8_exp3 = exp3;
+#else
+    (void)on, (void)profile, (void)exp3;
+#endif
+  }, "int8 cache, head size 64 / 128: the int8 Q K^T kernel (default) or bf16 tiles (A/B); exp3: its softmax's "
+     "degree-3 exp2 (default) or the bf16 kernel's degree-4 one (A/B); profile != 0 skips stages for "
+     "measurements only (1 Q K^T, 2 softmax, 4 P V, 8 packing: wrong outputs)",
+     py::arg("on"), py::arg("profile") = 0, py::arg("exp3") = true);
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("set_parallel_pool", [](bool on) { return tv_pool::Pool::get().set_enabled(on); },
         "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False; the default "
@@ -1948,5 +2009,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether the AVX-512 kernels were compiled in");
-  m.def("rope_cache_attention", &rope_cache_attention_cpu, "rotary + KV write + paged attention");
+  m.def("rope_cache_attention", &rope_cache_attention_cpu, "rotary + KV write + paged attention",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("positions"),
+        pybind11::arg("kv_cache"), pybind11::arg("slot_mapping"), pybind11::arg("block_tables"),
+        pybind11::arg("token_seq"), pybind11::arg("Hq"), pybind11::arg("Hk"), pybind11::arg("scale"),
+        pybind11::arg("window") = 0);
 }

@@ -227,6 +227,7 @@ def _decode_split_kernel(
     stride_plh,
     block_size,
     tokens_per_split,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -242,6 +243,9 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    # Sliding window (window > 0): keys [seq_len - window, seq_len) only; whole tiles before it skipped.
+    lo_key = tl.maximum(seq_len - tl.where(window > 0, window, seq_len), 0)
+    start = tl.maximum(start, lo_key // BLOCK_N * BLOCK_N)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -264,7 +268,7 @@ def _decode_split_kernel(
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
+        n_mask = (offs_n < end) & (offs_n >= lo_key)
         blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
         tok = (offs_n % block_size).to(tl.int64)
         kv_mask = n_mask[None, :] & d_mask[:, None]
@@ -380,6 +384,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -389,7 +394,9 @@ def paged_decode_attention(
     ``num_splits`` (``None`` = heuristic) splits each context into that many
     contiguous ranges processed by separate programs and merged by a second
     kernel; ``1`` skips the merge.  ``block_n`` is the KV tile (tests use small
-    tiles to exercise the loop).
+    tiles to exercise the loop).  ``window`` > 0: a sliding-window layer, each
+    query attends to the last ``window`` positions only (keys ``seq_len - window
+    .. seq_len - 1``; transformers' ``sliding_window``); 0: the whole context.
     """
     _check_cache(key_cache, value_cache)
     _check_q(q, key_cache)
@@ -460,6 +467,7 @@ def paged_decode_attention(
             *plse_strides,
             block_size,
             tokens_per_split,
+            int(window),
             GROUP=group,
             HEAD_DIM=head_dim,
             BLOCK_H=block_h,
@@ -516,6 +524,7 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     block_size,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -574,8 +583,13 @@ def _prefill_kernel(
     # the context.  Every row sees key 0, so the running max is finite after
     # the first tile.
     kv_end = tl.minimum(seq_len, prefix + (qb + 1) * BLOCK_M)
+    # Sliding window (window > 0): a row at position p sees keys p - window + 1 .. p. Tiles before the
+    # block's first row's first key are skipped; a row whose window starts after a tile sees no key
+    # there (its running max stays -inf: m_safe keeps exp2 off -inf - -inf).
+    win = tl.where(window > 0, window, seq_len + 1)
+    kv_start = tl.maximum(prefix + qb * BLOCK_M - win + 1, 0) // BLOCK_N * BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
@@ -588,12 +602,13 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - win)
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(
@@ -625,6 +640,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of query chunks over the paged cache.
 
@@ -634,6 +650,9 @@ def paged_prefill_attention(
     and this chunk) are all read from the cache, so call
     :func:`reshape_and_cache` first.  Works for decode rows too (``q_len = 1``).
     Rows of ``q`` not covered by ``query_start_loc`` are left unwritten.
+    ``window`` > 0: a sliding-window layer (a query at position ``p`` attends to
+    keys ``p - window + 1 .. p``, transformers' ``sliding_window``); 0: causal
+    over the whole context.
     """
     _check_cache(key_cache, value_cache)
     _check_q(q, key_cache)
@@ -685,6 +704,7 @@ def paged_prefill_attention(
             out.stride(0),
             out.stride(1),
             block_size,
+            int(window),
             GROUP=num_heads // num_kv_heads,
             HEAD_DIM=head_dim,
             BLOCK_M=block_m,
