@@ -1479,7 +1479,9 @@ void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const 
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
   if (allow_tiled && g_vector_kernels && g_tiled_attention) {
 #if defined(TINYVLLM_INT8_QK)
-    if (kind == kKvInt8 && g_int8_qk && window == 0) {  // a sliding window: attention_tiled below
+    // A sliding window shorter than some row's context: attention_tiled below (which masks it); a window
+    // covering every row's context is no window.
+    if (kind == kKvInt8 && g_int8_qk && (window <= 0 || token_pos.numel() == 0 || window > token_pos.max().item<int64_t>())) {
       if (q.size(2) == 64) return attention_tiled_i8<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
       if (q.size(2) == 128) return attention_tiled_i8<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
     }
