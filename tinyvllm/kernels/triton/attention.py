@@ -76,6 +76,13 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _paged_strides(q, key_cache, value_cache, block_tables, out) -> tuple[int, ...]:
+    """The stride arguments both attention kernels take, in their order: q's token and head strides, each
+    cache's block, slot and head strides, the block table's row stride, out's token and head strides."""
+    return (*q.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0),
+            *out.stride()[:2])
+
+
 def _check_q(q: torch.Tensor, key_cache: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -505,17 +512,7 @@ def paged_decode_attention(
             po,
             plse,
             float(scale) * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_paged_strides(q, key_cache, value_cache, block_tables, out),
             *po_strides,
             *plse_strides,
             block_size,
@@ -721,17 +718,7 @@ def paged_prefill_attention(
             out,
             num_seqs,
             float(scale) * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_paged_strides(q, key_cache, value_cache, block_tables, out),
             block_size,
             int(window),
             GROUP=num_heads // num_kv_heads,
