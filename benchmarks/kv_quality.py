@@ -12,6 +12,7 @@ then a question about the fact).
 
     .venv/bin/python benchmarks/kv_quality.py --set chat --kv int8 fp8
     .venv/bin/python benchmarks/kv_quality.py --set long --kv int8 fp8 --tokens 8
+    .venv/bin/python benchmarks/kv_quality.py --set chat --kv int8 int8/bf16qk int8/exp4   # int8 kernels
 """
 
 from __future__ import annotations
@@ -70,8 +71,15 @@ def capture_logits(llm):
 
 
 def run(kv: str, prompts: list[list[int]], refs: list[list[int]] | None, tokens: int, threads: int):
+    """``kv``: a ``--kv-cache-dtype``, or ``int8/bf16qk`` (the int8 cache on the bf16 tiles, the kernel
+    before the int8 Q K^T) or ``int8/exp4`` (the int8 Q K^T with the bf16 kernel's degree-4 exp2)."""
     from tinyvllm import LLM, SamplingParams
+    from tinyvllm.kernels.cpu import cpu_kernels
 
+    kv, _, variant = kv.partition("/")
+    kernels = cpu_kernels()
+    if kernels is not None and hasattr(kernels, "set_int8_attention"):
+        kernels.set_int8_attention(variant != "bf16qk", 0, variant != "exp4")
     llm = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=512,
               kv_cache_memory="2GiB")
     if threads:

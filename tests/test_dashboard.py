@@ -221,6 +221,7 @@ def test_dashboard_updates_in_a_real_browser(server, client, tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server + "/dashboard")
             page.wait_for_function("document.getElementById('status').textContent !== 'connecting'", timeout=30000)
+            assert page.locator("#spec").is_hidden()  # no --speculative-config: no speculative-decoding panel
             steps0 = int(page.get_attribute("#batch", "data-steps"))
             maps0 = int(page.get_attribute("#blockmap", "data-updates"))
             t = threading.Thread(target=workload, daemon=True)
@@ -252,3 +253,82 @@ def test_dashboard_updates_in_a_real_browser(server, client, tmp_path):
     if os.environ.get("TINYVLLM_UPDATE_SCREENSHOT"):
         shutil.copy(shot, ROOT / "docs" / "dashboard.png")
     assert not errors, errors
+
+
+# ---------------------------------------------------------------------------- speculative decoding on the dashboard
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory):
+    """A tiny random Llama (dummy weights, word-level tokenizer: starts in seconds) served with ngram
+    speculation, every draft verified: the dashboard's speculative-decoding panel has figures to show."""
+    from server_utils import running_server
+
+    from tinyvllm.model.dummy import write_dummy_model_dir
+
+    tmp = tmp_path_factory.mktemp("spec_dashboard")
+    model = write_dummy_model_dir(tmp / "model", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2})
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "cost_model": False})
+    yield from running_server(tmp / "server.log", ["--model", str(model), "--load-format", "dummy",
+                                                   "--kv-cache-memory", "8MiB", "--speculative-config", spec])
+
+
+@pytest.mark.slow  # a server of its own (~5 s quiet); the default tier checks the hidden panel and the hub's figures
+def test_dashboard_shows_speculative_decoding_in_a_real_browser(spec_server):
+    """With --speculative-config the page shows the panel (acceptance rate, mean accepted length, drafts/s,
+    acceptance by position) with the server's /metrics counters."""
+    sync_playwright = _playwright()
+    base = spec_server.base
+    prompt = " ".join(f"w{3 + i % 7}" for i in range(40))  # repeats itself: the n-gram proposer drafts
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(base + "/dashboard")
+            page.wait_for_function("document.getElementById('status').textContent !== 'connecting'", timeout=30000)
+            for _ in range(3):
+                r = httpx.post(base + "/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": 24,
+                                                               "temperature": 0, "ignore_eos": True}, timeout=60)
+                assert r.status_code == 200, r.text
+            drafts = _metric(base, "tinyvllm:spec_decode_num_drafts_total")
+            draft_tokens = _metric(base, "tinyvllm:spec_decode_num_draft_tokens_total")
+            accepted = _metric(base, "tinyvllm:spec_decode_num_accepted_tokens_total")
+            assert drafts > 0
+            page.wait_for_function(f"!document.getElementById('spec').hidden && "
+                                   f"Number(document.getElementById('spec').dataset.drafts) >= {drafts}", timeout=30000)
+            assert page.text_content("#specrate") == f"{100 * accepted / draft_tokens:.1f} %"
+            assert page.text_content("#speclen") == f"{1 + accepted / drafts:.2f}"
+            assert re.fullmatch(r"\d+\.\d", page.text_content("#specdps"))
+            assert "ngram" in page.text_content("#specmethod")
+        finally:
+            browser.close()
+    assert not errors, errors
+
+
+def test_dashboard_events_carry_speculative_decoding_figures():
+    """The hub sends the engine's spec_decode_* counters (None without --speculative-config). The engine
+    here is a stand-in holding only what the hub reads: its config, stats and listener list."""
+    from types import SimpleNamespace
+
+    from tinyvllm.config import SpeculativeConfig
+    from tinyvllm.entrypoints.dashboard.hub import DashboardHub
+    from tinyvllm.metrics.stats import SchedulerStats
+
+    stats = SchedulerStats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=10, spec_decode_num_accepted_tokens=7,
+                           spec_decode_num_accepted_tokens_per_pos=[4, 2, 1], spec_decode_num_draft_tokens_per_pos=[4, 3, 3],
+                           spec_decode_propose_seconds=0.25)
+    events = []
+    for spec in (None, SpeculativeConfig.parse('{"method": "suffix"}')):
+        engine = SimpleNamespace(step_listeners=[], stats=stats, engine_info=None, is_running=True, engine_pid=1,
+                                 model_name="m", config=SimpleNamespace(speculative_config=spec))
+        events.append(DashboardHub(engine).snapshot({}))
+    assert events[0]["spec_decode"] is None
+    assert events[1]["spec_decode"] == {"method": "suffix", "k": 16, "drafts": 4, "draft_tokens": 10,
+                                        "accepted_tokens": 7, "accepted_per_pos": [4, 2, 1],
+                                        "draft_tokens_per_pos": [4, 3, 3], "propose_seconds": 0.25}

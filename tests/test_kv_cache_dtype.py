@@ -141,11 +141,15 @@ def test_attention_over_quantized_cache_matches_float64_on_dequantized_rows(kind
     pos = torch.arange(ctx, ctx + T)
     try:
         _set_path(vector, amx)
+        if K.has_int8_attention():  # the bf16-tile kernel; the int8 Q K^T one: the test below
+            K.set_int8_attention(False)
         out = K.paged_attention(q, cache[0], cache[1], bt, seq, pos, d ** -0.5)
         alone = torch.stack([K.paged_attention(q[i:i + 1], cache[0], cache[1], bt, seq[:1], pos[i:i + 1],
                                                d ** -0.5)[0] for i in (0, 17, T - 1)])
     finally:
         _set_path(True, True)
+        if K.has_int8_attention():
+            K.set_int8_attention(True)
     assert torch.equal(out[[0, 17, T - 1]], alone)
     deq = kv_quant.dequantize(cache.view(2, -1, hk, d + 2))[:, (bt[0][:, None] * bs + torch.arange(bs)).reshape(-1)]
     kd, vd = deq[0].double(), deq[1].double()  # [L, hk, d] in logical order
@@ -156,6 +160,85 @@ def test_attention_over_quantized_cache_matches_float64_on_dequantized_rows(kind
     rel = (out.double() - ref).norm() / ref.norm()
     print(path, kind, float(rel))
     assert rel < (1e-5 if path == "scalar" else 4e-3), rel
+
+
+def _int8_qk_paths():
+    if K is None or not K.has_int8_attention():
+        return []
+    return ["vnni"] + (["amx"] if K.has_amx_attention() else [])
+
+
+def _int8_ref(q, cache, bt, bs, pos, d, quantize_q):
+    """float64 attention over the dequantized int8 rows (logical order), with the query quantized as
+    ``kv_quant.quantize_query`` defines (the scores then (q8 · k8) * qs * s_k, the dot product exact)
+    or, for ``quantize_q=False``, the float query itself."""
+    hq, hk = q.shape[1], cache.shape[-2]
+    rows = cache.view(2, -1, hk, d + 2)[:, (bt[0][:, None] * bs + torch.arange(bs)).reshape(-1)]
+    kd, vd = (kv_quant.dequantize(rows[i]).double().repeat_interleave(hq // hk, 1) for i in (0, 1))
+    if quantize_q:
+        q8, qs = kv_quant.quantize_query(q)
+        qd = q8.double() * qs.double()
+    else:
+        qd = q.double()
+    s = torch.einsum("thd,lhd->thl", qd, kd) * d ** -0.5
+    s = s.masked_fill(torch.arange(kd.shape[0])[None, None] > pos[:, None, None], float("-inf"))
+    return torch.einsum("thl,lhd->thd", torch.softmax(s, -1), vd)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("path", _int8_qk_paths())
+def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d):
+    """The int8 Q K^T kernel (attention_int8.h; VPDPBUSD with the +128 offset, or AMX-INT8): against
+    float64 attention whose query is quantized by ``kv_quant.quantize_query`` over the same int8 K/V,
+    the error is the bf16 P / V tiles' (a few 1e-3), several times below the error against the float
+    query (so the reference sees the kernel's Q quantization, not only P / V rounding). Rows are
+    bit for bit the same whether computed together, split into two chunks, or batched with another
+    sequence (chunk / batch invariance). The int8 Q K^T is not the bf16-tile kernel (outputs differ)."""
+    hq, hk, bs = 6, 2, 16
+    ctx, T = 300, 40
+    g = torch.Generator().manual_seed(5)
+    nb = 2 * ((ctx + T) // bs + 2)
+    kv = torch.randn(2, nb * bs, hk, d, generator=g)
+    kv[0, :, :, 5] *= 10  # outlier channel in K
+    cache = kv_quant.quantize(kv, "int8", torch.bfloat16).view(2, nb, bs, hk, d + 2)
+    q = torch.randn(T, hq, d, generator=g) * 2
+    q[:, :, 3] += 4  # an outlier channel in Q too
+    bt = torch.randperm(nb, generator=g).view(2, -1).long()  # two sequences' block tables
+    seq = torch.zeros(T, dtype=torch.int64)
+    pos = torch.arange(ctx, ctx + T)
+    sc = d ** -0.5
+
+    def attn(qq, ss, pp):
+        return K.paged_attention(qq, cache[0], cache[1], bt, ss, pp, sc)
+
+    try:
+        _set_path(True, path == "amx")
+        K.set_int8_attention(True)
+        out = attn(q, seq, pos)
+        chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
+        # batched with a second sequence (block table row 1) of other rows: seq 1's rows first
+        both = attn(torch.cat([q[5:30], q]), torch.cat([torch.ones(25, dtype=torch.int64), seq]),
+                    torch.cat([torch.arange(100, 125), pos]))
+        decode = torch.stack([attn(q[i:i + 1], seq[:1], pos[i:i + 1])[0] for i in (0, 17, T - 1)])
+        K.set_int8_attention(False)
+        bf16_tiles = attn(q, seq, pos)
+    finally:
+        K.set_int8_attention(True)
+        _set_path(True, True)
+    assert torch.equal(chunks, out)
+    assert torch.equal(both[25:], out)
+    assert torch.equal(decode, out[[0, 17, T - 1]])
+    assert not torch.equal(bf16_tiles, out)
+    ref_q8 = _int8_ref(q, cache, bt[:1], bs, pos, d, True)
+    ref_f = _int8_ref(q, cache, bt[:1], bs, pos, d, False)
+    rel_q8 = float((out.double() - ref_q8).norm() / ref_q8.norm())
+    rel_f = float((out.double() - ref_f).norm() / ref_f.norm())
+    print(path, d, rel_q8, rel_f)
+    assert rel_q8 < 4e-3 and rel_q8 < rel_f / 3, (rel_q8, rel_f)
+    # the other sequence's rows against their own reference
+    ref1 = _int8_ref(q[5:30], cache, bt[1:], bs, torch.arange(100, 125), d, True)
+    assert float((both[:25].double() - ref1).norm() / ref1.norm()) < 4e-3
 
 
 # ----------------------------------------------------------------------------- engine

@@ -8,7 +8,8 @@ transformers proved): prefill + decode logits in float32 within 1e-4 absolute; g
 batching, chunked prefill, prefix-cache hits and preemption identical to transformers' greedy.
 
 Default tier: logits of every family on the default backend (the C++ kernels where they build), the
-engine paths, GGUF and native GGUF of Qwen3-MoE, the window cap, the dummy shapes, the error paths.
+engine paths of Qwen3-MoE and Gemma 3 (sliding window), GGUF and native GGUF of Qwen3-MoE, the window,
+the dummy shapes, the error paths.
 ``slow``: the other families' engine paths, GGUF, native GGUF, the torch reference and the Triton
 interpreter backends, bf16 agreement, a dummy MoE run, the CLI's one-line error.
 """
@@ -37,7 +38,7 @@ from tiny_models import FAMILIES, make_tiny_family, write_family_gguf  # noqa: E
 
 ALL = list(FAMILIES)
 GGUF_FAMILIES = [f for f in ALL if FAMILIES[f]["gguf_arch"]]
-ENGINE_DEFAULT = ("qwen3moe",)
+ENGINE_DEFAULT = ("qwen3moe", "gemma3")  # gemma3: sliding-window and global layers
 NUM_TOKENS = 32
 
 
@@ -267,14 +268,33 @@ def test_native_gguf_linears_equal_the_dequantized_model(family_dir, name, monke
 # ----------------------------------------------------------------------------- C++ bf16 / packed GEMMs
 
 
+BF16_TOLERANCE = 1.10  # ours may be up to 10 % further from float32 than transformers' bf16 (not needed so far)
+
+
+def _teacher_forced_logprobs(hf, prompts, conts) -> list[torch.Tensor]:
+    """Per prompt, transformers' log-probabilities [N, V] (float64) at the continuation's positions."""
+    out = []
+    with torch.no_grad():
+        for p, c in zip(prompts, conts):
+            logits = hf(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) - 1 + len(c)].double()
+            out.append(logits.log_softmax(-1))
+    return out
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="not met on the tiny random models for smollm3, mistral, gemma3 and qwen3moe "
-                   "(2026-12-05); mistral is Llama's code path, so the 8-prompt rule looks noise-dominated at this "
-                   "size; to be decided on larger dummy shapes (docs/models.md)")
 @pytest.mark.parametrize("name", ALL)
 def test_bf16_is_at_least_as_close_to_float32_as_transformers_bf16(family_dir, name):
-    """The packed bf16 GEMMs (C++ backend): greedy tokens agree with transformers' float32 at least as
-    often, and for as long a mean prefix, as transformers' own bf16 does (test_bf16_fidelity.py's rule)."""
+    """The packed bf16 GEMMs (C++ backend): teacher-forced on float32's own greedy continuations (8 prompts x
+    32 tokens), the mean |log-probability - float32's| of those tokens is at most BF16_TOLERANCE x
+    transformers' own bf16's (the continuous figure of test_bf16_fidelity.py's rule).
+
+    Greedy agreement (whole outputs equal to float32's, mean common prefix) is printed, not asserted: on
+    these tiny random models 3.5-14 % of the steps have a float32 top-1/top-2 margin below twice
+    transformers' bf16 log-probability error, so which bf16 run keeps more of 8 outputs equal is decided
+    by near-ties: measured 2026-12-05 (docs/models.md), ours vs transformers' bf16 equal outputs 3 vs 5
+    (Gemma 3), 4 vs 2 (Mistral), 4 vs 5 (SmolLM3), 3 vs 3 (Qwen3-MoE), while our log-probability error was
+    below transformers' for all four (0.0068 / 0.0076, 0.0052 / 0.0059, 0.0049 / 0.0064, 0.0126 / 0.0137
+    nats)."""
     from tinyvllm import LLM
     from tinyvllm.kernels.cpu import cpu_kernels
 
@@ -283,13 +303,19 @@ def test_bf16_is_at_least_as_close_to_float32_as_transformers_bf16(family_dir, n
     hf_dir = family_dir(name)
     cfg = json.loads((hf_dir / "config.json").read_text())
     prompts = _prompts(cfg["vocab_size"], 8)
-    f32 = _hf_greedy(_hf_model(hf_dir, name), prompts)
-    hf16 = _hf_greedy(_hf_model(hf_dir, name, torch.bfloat16), prompts)
+    hf32, hf16 = _hf_model(hf_dir, name), _hf_model(hf_dir, name, torch.bfloat16)
+    f32 = _hf_greedy(hf32, prompts)
+    lp32, lp16 = _teacher_forced_logprobs(hf32, prompts, f32), _teacher_forced_logprobs(hf16, prompts, f32)
     llm = LLM(str(hf_dir), dtype="bfloat16")
     assert llm.llm_engine.core.model.packed
-    ours = [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
-                                                                   ignore_eos=True))]
+    outs = llm.generate([{"prompt_token_ids": p + c} for p, c in zip(prompts, f32)],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    err, hf_err = [], []
+    for p, c, a, b, o in zip(prompts, f32, lp32, lp16, outs):
+        for i, t in enumerate(c):
+            err.append(abs(o.prompt_logprobs[len(p) + i][t].logprob - float(a[i, t])))
+            hf_err.append(abs(float(b[i, t]) - float(a[i, t])))
+    err, hf_err = sum(err) / len(err), sum(hf_err) / len(hf_err)
 
     def score(got):
         prefixes = []
@@ -300,26 +326,31 @@ def test_bf16_is_at_least_as_close_to_float32_as_transformers_bf16(family_dir, n
             prefixes.append(n)
         return sum(a == b for a, b in zip(f32, got)), sum(prefixes) / len(prefixes)
 
-    (eq, pre), (hf_eq, hf_pre) = score(ours), score(hf16)
-    assert eq >= hf_eq and pre >= hf_pre, (eq, hf_eq, pre, hf_pre)
+    ours = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=NUM_TOKENS,
+                                                                   ignore_eos=True))]
+    print(f"{name}: logprob error {err:.5f} (transformers bf16 {hf_err:.5f}) nats; greedy equal/prefix "
+          f"{score(ours)} (transformers bf16 {score(_hf_greedy(hf16, prompts))})")
+    assert err <= BF16_TOLERANCE * hf_err, (err, hf_err)
 
 
 # ----------------------------------------------------------------------------- limits and errors
 
 
-def test_sliding_window_caps_max_model_len(family_dir, caplog):
-    """Mistral's (and Gemma 3's) window: the kernels have no window, so the context is capped at it,
-    with a warning, and a longer max_model_len is refused at start, never run silently wrong."""
-    from tinyvllm import LLM
-    from tinyvllm.model.registry import config_from_dir
-
-    for name in ("mistral", "gemma3"):
-        with caplog.at_level("WARNING", logger="tinyvllm"):
-            _, cfg = config_from_dir(family_dir(name))
-        assert cfg.max_position_embeddings == 96 == cfg.sliding_window
-        assert "capped at 96" in caplog.text
-    with pytest.raises(ValueError, match="max_model_len 200 exceeds"):
-        LLM(str(family_dir("mistral")), dtype="float32", max_model_len=200)
+@pytest.mark.parametrize("name,windows", [("mistral", [8, 8]), ("gemma3", [8] * 5 + [0])])
+def test_sliding_window_is_attention_not_a_cap(family_dir, name, windows):
+    """Mistral's and Gemma 3's window (8 keys in the tiny configs, so the logits and greedy tests above run
+    to 6x the window) is each layer's attention window (Gemma 3: the local layers only), not a cap on the
+    context: max_model_len stays the model's own. With the windows switched off the logits leave
+    transformers', so those tests see the window."""
+    ours = load_model(family_dir(name), torch.float32)
+    assert ours.config.max_position_embeddings == 512 and ours.config.sliding_window == 8
+    assert [layer.self_attn.window for layer in ours.layers] == windows
+    for layer in ours.layers:
+        layer.self_attn.window = 0
+    ours.bind_attn_backend(get_attn_backend("cpu", torch.float32))
+    with pytest.raises(AssertionError):
+        _logits_match(ours, _hf_model(family_dir(name), name))
 
 
 def _write_gguf_header(path: Path, arch: str) -> Path:

@@ -605,22 +605,71 @@ def test_q8_rejects_q6_k_and_bad_mode(kern, monkeypatch):
 
 
 def test_converted_tokenizer_is_cached_per_tokenizer_fields(tmp_path, monkeypatch):
-    """Every GGUF of a family carries the same ``tokenizer.*`` fields: the second conversion reuses the
-    tokenizer built for the first (``loader._save_gguf_tokenizer_cached``), and a GGUF whose vocabulary
-    differs gets its own entry, never another file's tokenizer."""
+    """Every GGUF of a family carries the same ``tokenizer.*`` fields: a conversion reuses the tokenizer
+    built for an earlier one (``loader._save_gguf_tokenizer_cached``: no second build, the same files), and
+    a GGUF whose vocabulary differs has another key, so it never gets another file's tokenizer."""
     import json
 
     from tinyvllm.benchmarks.random_gguf import write_random_gguf
     from tinyvllm.model import loader
 
-    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "cache"))
+    builds = []
+    real_build = loader._save_gguf_tokenizer
+    monkeypatch.setattr(loader, "_save_gguf_tokenizer", lambda *a: (builds.append(a[0]), real_build(*a))[1])
     shape = dict(hidden=64, layers=1, heads=4, kv_heads=2, inter=128)
-    a = loader.convert_gguf_cached(write_random_gguf(tmp_path / "a.gguf", seed=1, **shape))
-    size = len(json.loads((a / "tokenizer.json").read_text())["model"]["vocab"])
-    b = loader.convert_gguf_cached(write_random_gguf(tmp_path / "b.gguf", seed=2, vocab=size + 64, **shape))
-    c = loader.convert_gguf_cached(write_random_gguf(tmp_path / "c.gguf", seed=3, **shape))  # a's tokenizer
-    entries = list((tmp_path / "cache" / "gguf-tokenizers").iterdir())
-    assert len(entries) == 2
+    paths = [write_random_gguf(tmp_path / f"{n}.gguf", seed=seed, **shape) for n, seed in (("a", 1), ("c", 3))]
+    a = loader.convert_gguf_cached(paths[0])  # builds the entry, or hits one an earlier GGUF test built
+    first_builds = len(builds)
+    c = loader.convert_gguf_cached(paths[1])
+    assert len(builds) == first_builds  # c: a hit
     assert (c / "tokenizer.json").read_text() == (a / "tokenizer.json").read_text()
     assert (c / "tokenizer_config.json").read_text() == (a / "tokenizer_config.json").read_text()
-    assert len(json.loads((b / "tokenizer.json").read_text())["model"]["vocab"]) == size + 64
+    size = len(json.loads((a / "tokenizer.json").read_text())["model"]["vocab"])
+    b = write_random_gguf(tmp_path / "b.gguf", seed=2, vocab=size + 64, **shape)
+    keys = [loader._gguf_tokenizer_key(loader.gguf_reader(p)) for p in (paths[0], paths[1], b)]
+    assert keys[0] == keys[1] != keys[2]
+
+
+def test_array_reader_equals_gguf_reader(tmp_path):
+    """``loader.gguf_reader`` (gguf's reader over a plain ndarray view) yields the same fields, parts,
+    types and tensors as gguf's own ``GGUFReader``, on a file with every kind of field (strings, scalars,
+    string/int/float/bool arrays) and quantized and float tensors; a changed file is parsed again."""
+    import gguf
+
+    from tinyvllm.model import loader
+
+    path = tmp_path / "f.gguf"
+
+    def write(n_tokens: int) -> None:
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_block_count(2)
+        w.add_rope_freq_base(1e4)
+        w.add_bool("tinyvllm.flag", True)
+        w.add_token_list([f"tok{i}" for i in range(n_tokens)])
+        w.add_token_scores([float(i) / 7 for i in range(n_tokens)])
+        w.add_token_types([1] * n_tokens)
+        w.add_array("tinyvllm.bools", [True, False, True])
+        w.add_string("tokenizer.chat_template", "{{ messages }} ✓")
+        w.add_tensor("a.weight", np.arange(96, dtype=np.float32).reshape(3, 32))
+        raw = np.random.default_rng(0).integers(0, 256, size=(4, 34), dtype=np.uint8)
+        w.add_tensor("b.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    for n_tokens in (300, 301):  # the second write changes the file: a new parse, not the cached reader
+        write(n_tokens)
+        want, got = gguf.GGUFReader(str(path)), loader.gguf_reader(path)
+        assert len(got.fields["tokenizer.ggml.tokens"].data) == n_tokens
+        assert list(got.fields) == list(want.fields)
+        for key, fw in want.fields.items():
+            fg = got.fields[key]
+            assert (fg.offset, fg.data, fg.types, len(fg.parts)) == (fw.offset, fw.data, fw.types, len(fw.parts))
+            assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(fg.parts, fw.parts)), key
+            assert fg.contents() == fw.contents(), key
+        for tg, tw in zip(got.tensors, want.tensors, strict=True):
+            assert (tg.name, tg.tensor_type, list(tg.shape), tg.n_bytes, tg.data_offset) == (
+                tw.name, tw.tensor_type, list(tw.shape), tw.n_bytes, tw.data_offset)
+            assert tg.data.dtype == tw.data.dtype and np.array_equal(tg.data, tw.data)
+        assert loader.gguf_reader(path) is got  # unchanged file: the same parse

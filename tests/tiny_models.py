@@ -55,11 +55,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_theta": 2000000.0, "rope_type": "default"})),
     "mistral": dict(cls="Mistral", gguf_arch=None, cfg=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, tie_word_embeddings=False, sliding_window=96,
+        head_dim=32, tie_word_embeddings=False, sliding_window=8,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})),
     "gemma3": dict(cls="Gemma3Text", model="Gemma3", gguf_arch="gemma3", cfg=dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, query_pre_attn_scalar=32, sliding_window=96, tie_word_embeddings=True,
+        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, tie_word_embeddings=True,
         layer_types=["sliding_attention"] * 5 + ["full_attention"],  # llama.cpp's fixed pattern of 6
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
@@ -119,7 +119,7 @@ def write_family_gguf(hf_dir: Path, out: Path, *, linear_qtype: str = "F32") -> 
     import numpy as np
     from safetensors.numpy import load_file
 
-    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf
+    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf, gguf_reader
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     mt = cfg["model_type"]
@@ -128,7 +128,7 @@ def write_family_gguf(hf_dir: Path, out: Path, *, linear_qtype: str = "F32") -> 
     t = load_file(str(hf_dir / "model.safetensors"))
     n_head, n_kv, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // n_head
-    src = gguf.GGUFReader(str(_find_alias_gguf(DEFAULT_MODEL_ALIAS)))
+    src = gguf_reader(_find_alias_gguf(DEFAULT_MODEL_ALIAS))
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])

@@ -436,6 +436,90 @@ class SchedulerConfig:
             )
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (vLLM's ``ParallelConfig``; docs/parallelism.md).
+
+    Attributes:
+        tensor_parallel_size: ranks that each hold a share of every layer (``--tensor-parallel-size`` /
+            ``-tp``): 1 runs in the engine core's process; N > 1 runs one worker process per rank in a
+            ``torch.distributed`` group (gloo on the CPU, NCCL on CUDA), :mod:`tinyvllm.executor.multiproc`.
+        nnodes / node_rank: nodes of a multi-node group and this one's index (torchrun's ``--nnodes`` /
+            ``--node-rank``); node 0 serves HTTP and runs ranks ``0 .. tp/nnodes - 1``, node ``k`` runs only
+            ranks ``k * tp/nnodes ..``.
+        master_addr / master_port: where rank 0 hosts the group's TCP store (torchrun's flags; default
+            ``127.0.0.1`` and, on one node, a free port, else 29500).
+        torchrun_rank: set from torchrun's ``RANK`` / ``WORLD_SIZE`` environment (one process per rank,
+            started by torchrun): this process's rank, else ``None``.
+    """
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    torchrun_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        tp, n = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if n < 1:
+            raise ValueError(f"nnodes must be >= 1, got {n}")
+        if not 0 <= self.node_rank < n:
+            raise ValueError(f"node_rank must be in 0..{n - 1} (nnodes {n}), got {self.node_rank}")
+        if tp % n:
+            raise ValueError(f"tensor_parallel_size {tp} is not a multiple of nnodes {n} (ranks per node)")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+        if n > 1 and self.master_port is None:
+            object.__setattr__(self, "master_port", 29500)  # torch's default
+        if self.torchrun_rank is not None and not 0 <= self.torchrun_rank < tp:
+            raise ValueError(f"torchrun RANK {self.torchrun_rank} not in 0..{tp - 1} (WORLD_SIZE)")
+
+    @classmethod
+    def from_torchrun_env(cls, env: "dict[str, str] | os._Environ" = os.environ, **kw: Any) -> "ParallelConfig":
+        """The config of a process torchrun started (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+        set: one process per rank, ``WORLD_SIZE`` = the tensor-parallel size); without them, ``kw`` as given.
+
+        Raises:
+            ValueError: ``WORLD_SIZE`` differs from an explicit ``tensor_parallel_size`` > 1; bad values.
+        """
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return cls(**kw)
+        world, tp = int(env["WORLD_SIZE"]), kw.get("tensor_parallel_size", 1)
+        if tp not in (1, world):
+            raise ValueError(f"--tensor-parallel-size {tp} != torchrun's WORLD_SIZE {world}")
+        return cls(**{**kw, "tensor_parallel_size": world, "torchrun_rank": int(env["RANK"]),
+                      "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+                      "master_port": int(env.get("MASTER_PORT", 29500)), "nnodes": 1, "node_rank": 0})
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def pipe_ranks(self) -> list[int]:
+        """The ranks this process spawns and drives through pipes: on node 0 (the engine), rank 0 alone under
+        torchrun, else ``0 .. tp/nnodes - 1``; on another node, its own ranks (run headless)."""
+        if self.torchrun_rank is not None:
+            return [self.torchrun_rank]
+        k = self.ranks_per_node
+        return list(range(self.node_rank * k, (self.node_rank + 1) * k))
+
+    @property
+    def pipe_ranks_node0(self) -> int:
+        """How many ranks node 0's engine reaches by pipe (the others get each call from rank 0 over gloo)."""
+        return 1 if self.torchrun_rank is not None else self.ranks_per_node
+
+    @property
+    def headless(self) -> bool:
+        """This process runs ranks only: no API server, no engine core (node rank > 0, torchrun rank > 0)."""
+        return (self.torchrun_rank or 0) > 0 or self.node_rank > 0
+
+
 SPEC_METHODS = ("ngram", "suffix")
 MAX_NUM_SPECULATIVE_TOKENS = 16
 """Cap on ``num_speculative_tokens``: a draft longer than this costs more rows than it can save on a
@@ -546,6 +630,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -562,6 +647,9 @@ class EngineConfig:
 # ----------------------------------------------------------------------------- engine arguments
 
 _CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)  # each EngineArgs field goes to exactly one
+
+
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
 
 
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -639,6 +727,16 @@ class EngineArgs:
         None, "speculative decoding, a JSON object with vLLM's keys, e.g. '{\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 5}' or '{\"method\": \"suffix\"}' "
               "(docs/speculative-decoding.md)")
+    tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size, "ranks that each hold a share of every layer (vLLM's flag, also -tp): "
+                                           "one worker process per rank in a torch.distributed group (gloo on the "
+                                           "CPU, NCCL on CUDA); docs/parallelism.md")
+    nnodes: int = _option(ParallelConfig.nnodes, "nodes of a multi-node tensor-parallel group (torchrun's flag); every node runs the "
+                             "same command with its --node-rank; node 0 serves HTTP")
+    node_rank: int = _option(ParallelConfig.node_rank, "this node's index in 0..nnodes-1 (torchrun's flag); > 0 runs only its ranks")
+    master_addr: str = _option(ParallelConfig.master_addr, "address of node 0, where rank 0 hosts the group's store "
+                                            "(torchrun's flag)")
+    master_port: int | None = _option(ParallelConfig.master_port, "port of the group's store on --master-addr (torchrun's flag; "
+                                            "default: a free port on one node, 29500 across nodes)")
     # A server option (the offline engine has no waiting-queue bound): its flag is in ``serve``'s server group.
     max_waiting_requests: int | None = _option(SchedulerConfig.max_waiting_requests,
                                                "answer 503 while this many requests are waiting for the engine "
@@ -677,7 +775,7 @@ class EngineArgs:
                 kw["type"] = kind
             if f.metadata["choices"] is not None:
                 kw["choices"] = list(f.metadata["choices"])
-            target.add_argument(flag, **kw)
+            target.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), **kw)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
@@ -692,7 +790,11 @@ class EngineArgs:
         """
         parts = [klass(**{f.name: getattr(self, f.name) for f in dataclasses.fields(klass)})
                  for klass in _CONFIG_PARTS]
-        return EngineConfig(*parts, speculative_config=SpeculativeConfig.parse(self.speculative_config))
+        parallel = ParallelConfig.from_torchrun_env(
+            tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes, node_rank=self.node_rank,
+            master_addr=self.master_addr, master_port=self.master_port)
+        return EngineConfig(*parts, speculative_config=SpeculativeConfig.parse(self.speculative_config),
+                            parallel_config=parallel)
 
 
 def _flag_type(hint: Any) -> type | None:

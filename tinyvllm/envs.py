@@ -15,6 +15,7 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_GGUF_ACTIVATIONS`` | ``auto`` | activations of the native GGUF linears (``--quantization gguf``): ``int8`` (quantized per row and 32-block, ``gemm_gguf_q8``: Q8_0 / Q4_0 / Q4_1 / Q4_K), ``bf16`` (``gemm_gguf``: the model dtype's activations unquantized, float32 ones too), or ``auto``: ``int8`` for a bfloat16 model where its AVX512-BF16 + VNNI kernel is built (AMD Zen 4, Intel Sapphire Rapids), else ``bf16`` (a float32 model's activations stay float32: the dequantized float32 model's results) (on AVX2 alone, where ``--quantization auto`` runs native by default, ``int8`` runs the AVX2 kernel: the fast path, 1.4-1.8x faster per decode step at ~4x the KL against float32); Q6_K always ``bf16`` |
 | ``TINYVLLM_CPU_POOL`` | ``auto`` | where the C++ kernels' parallel loops run: ``auto`` on ``cpu_pool.h``'s pool (dynamic chunks; the caller never waits for a thread that has not started, and runs alone for a while after one lost its core) in steps of exactly one token (batch-1 decode), on ``at::parallel_for`` otherwise; ``1`` on the pool in every step; ``0`` never on the pool (docs/benchmarks.md, "A parallel pool for shared cores" and "The pool in batch-1 steps only") |
 | ``TINYVLLM_KV_ABORT_REQUEST_TIMEOUT`` | ``480`` | seconds a prefill engine (``--kv-transfer-config``) keeps the KV blocks of a finished ``do_remote_decode`` request that no decode engine pulls; then they are freed (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, also read when this is unset) |
+| ``TINYVLLM_DIST_TIMEOUT`` | ``1800`` | seconds a tensor-parallel rank waits in one ``torch.distributed`` call (joining the group, a collective) before it fails; a peer that dies fails the call at once (docs/parallelism.md) |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
 | ``TINYVLLM_KERNEL_ISA`` | ``native`` | which instruction set the C++ CPU kernels are compiled for: ``native`` (``-march=native``: AVX-512 / AMX where the CPU has them) or ``avx2`` (``-march=haswell``: AVX2 + FMA + F16C, no AVX-512, built as a separately named extension) to run the AVX2 paths on an AVX-512 machine (tests, ``scripts/kernel_bits.py``) |
 
@@ -48,6 +49,7 @@ _VARS: dict[str, Callable[[], Any]] = {
     "TINYVLLM_CPU_POOL": lambda: (os.environ.get("TINYVLLM_CPU_POOL") or "auto").lower(),
     "TINYVLLM_KV_ABORT_REQUEST_TIMEOUT": lambda: float(os.environ.get("TINYVLLM_KV_ABORT_REQUEST_TIMEOUT")
                                                        or os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT") or 480),
+    "TINYVLLM_DIST_TIMEOUT": lambda: float(os.environ.get("TINYVLLM_DIST_TIMEOUT") or 1800),
     "TINYVLLM_MAX_N_SEQUENCES": lambda: int(os.environ.get("TINYVLLM_MAX_N_SEQUENCES") or 128),
     "TINYVLLM_KERNEL_ISA": lambda: (os.environ.get("TINYVLLM_KERNEL_ISA") or "native").lower(),
 }

@@ -61,13 +61,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attention(self, qkv: torch.Tensor, kv_cache: torch.Tensor, md: Any, rope: Any, num_heads: int,
-                  num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> torch.Tensor:
         """RoPE on q and k, store this step's K/V, attend over each sequence's context.
 
         Args:
             qkv: [T, (Hq + 2 Hk) * D] output of the fused q/k/v projection (q, then k, then v).
             kv_cache: [2, num_blocks, block_size, Hk, D] this layer's cache.
             md: this backend's step metadata; rope: :meth:`rope_inputs` of this step.
+            window: > 0 for a sliding-window layer: a query at position ``p`` attends to the keys at
+                ``p - window + 1 .. p`` only (transformers' ``sliding_window``: ``kv_idx > q_idx -
+                window``; Mistral, Gemma 3's local layers); 0: the whole causal context.
         Returns:
             [T, Hq * D] attention output, in the model dtype.
         """

@@ -67,9 +67,9 @@ class CpuAttentionBackend(AttentionBackend):
         return CpuRopeInputs(cos, sin, positions)
 
     def attention(self, qkv: torch.Tensor, kv_cache: torch.Tensor, md: CpuAttentionMetadata, rope: CpuRopeInputs,
-                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+                  num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> torch.Tensor:
         return self._rope_cache_attention(qkv, rope.cos, rope.sin, rope.positions, kv_cache, md.slot_mapping,
-                                          md.block_tables, md.token_seq, num_heads, num_kv_heads, scale)
+                                          md.block_tables, md.token_seq, num_heads, num_kv_heads, scale, window)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # replaced by the kernel in __init__

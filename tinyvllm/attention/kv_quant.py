@@ -105,3 +105,19 @@ def dequantize(rows: torch.Tensor) -> torch.Tensor:
     if q.dtype == torch.uint8:
         q = q.view(torch.float8_e4m3fn)
     return q.float() * s
+
+
+def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query quantization of the C++ int8 Q K^T kernel (``kernels/cpu/attention_int8.h``), in PyTorch
+    ops: per (token, query head) row of ``q`` ``[..., D]`` float32, symmetric int8 as SageAttention
+    quantizes Q per block (Zhang et al., ICLR 2025): ``qs = max|q| / 127`` and ``q8 =
+    round_half_even(q * (127 / max|q|))`` (float32 arithmetic; all zeros where ``max|q| == 0``).
+
+    Returns ``(q8 [..., D] int8, qs [..., 1] float32)``; ``q ≈ q8 * qs``. The scores are then
+    ``(q8 · k8) * qs * s_k`` with the int32 dot product exact.
+    """
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q8 = (qf * inv).round().clamp(-128, 127).to(torch.int8)
+    return q8, amax / 127.0

@@ -84,7 +84,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    md: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                    md: TorchAttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend over each sequence's context.
 
     Args:
@@ -92,6 +92,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         k, v: [T, Hk, D] new keys and values.
         kv_cache: [2, num_blocks, block_size, Hk, D] this layer's cache.
         scale: softmax scale (usually D ** -0.5).
+        window: > 0: sliding window, a query at position p attends to keys p - window + 1 .. p only.
     Returns:
         [T, Hq, D] attention output, dtype of ``q``.
     """
@@ -106,7 +107,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qd = q.index_select(0, md.decode_token_idx).reshape(-1, 1, hk, g, d)
         kd = _rows(kc, md.decode_slots)  # [Sd, L, Hk, D]
         vd = _rows(vc, md.decode_slots)
-        o = _attend(qd, kd, vd, md.decode_mask[:, None, :], scale)
+        mask = md.decode_mask
+        if window > 0:
+            lens = torch.tensor([md.seq_lens[i] for i in md.decode_seq_ids], device=mask.device)
+            mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] >= lens[:, None] - window)
+        o = _attend(qd, kd, vd, mask[:, None, :], scale)
         out.index_copy_(0, md.decode_token_idx, o.reshape(-1, hq, d).to(q.dtype))
     for j, i in enumerate(md.prefill_seq_ids):
         start, end = md.query_start_loc[i], md.query_start_loc[i + 1]
@@ -115,7 +120,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         kp = _rows(kc, slots)[None]
         vp = _rows(vc, slots)[None]
         qpos = torch.arange(sl - ql, sl, device=q.device)
-        mask = (torch.arange(sl, device=q.device)[None, :] <= qpos[:, None])[None]
+        kpos = torch.arange(sl, device=q.device)[None, :]
+        mask = kpos <= qpos[:, None]
+        if window > 0:
+            mask = mask & (kpos > qpos[:, None] - window)
+        mask = mask[None]
         o = _attend(q[start:end].reshape(1, ql, hk, g, d), kp, vp, mask, scale)
         out[start:end] = o.reshape(ql, hq, d).to(q.dtype)
     return out
@@ -189,7 +198,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def attention(self, qkv: torch.Tensor, kv_cache: torch.Tensor, md: TorchAttentionMetadata,
                   rope: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0) -> torch.Tensor:
         T = qkv.shape[0]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -198,7 +207,7 @@ class TorchAttentionBackend(AttentionBackend):
         v = v.reshape(T, num_kv_heads, head_dim)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return paged_attention(q, k, v, kv_cache, md, scale).reshape(T, q_size)
+        return paged_attention(q, k, v, kv_cache, md, scale, window).reshape(T, q_size)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

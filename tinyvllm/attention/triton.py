@@ -86,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attention(self, qkv: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                   rope: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int, head_dim: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0) -> torch.Tensor:
         T = qkv.shape[0]
         qkv = qkv.view(T, num_heads + 2 * num_kv_heads, head_dim)
         q, k = qkv[:, :num_heads], qkv[:, num_heads: num_heads + num_kv_heads]
@@ -97,10 +97,11 @@ class TritonAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         tk.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         if md.decode_only:
-            o = tk.paged_decode_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens, scale)
+            o = tk.paged_decode_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens, scale,
+                                          window=window)
         else:
             o = tk.paged_prefill_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens,
-                                           md.query_start_loc, scale)
+                                           md.query_start_loc, scale, window=window)
         return o.reshape(T, num_heads * head_dim)
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

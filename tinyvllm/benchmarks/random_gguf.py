@@ -110,9 +110,9 @@ def write_random_gguf(path: str | Path, *, hidden: int, layers: int, heads: int,
     """
     import gguf
 
-    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf
+    from tinyvllm.model.loader import DEFAULT_MODEL_ALIAS, _find_alias_gguf, gguf_reader
 
-    src = gguf.GGUFReader(str(tokenizer_from or _find_alias_gguf(DEFAULT_MODEL_ALIAS)))
+    src = gguf_reader(tokenizer_from or _find_alias_gguf(DEFAULT_MODEL_ALIAS))
     tokens = list(src.fields["tokenizer.ggml.tokens"].contents())
     token_type = list(src.fields["tokenizer.ggml.token_type"].contents())
     vocab = vocab or len(tokens)

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,36 @@ BLOCK_MAP_INTERVAL_S = 0.5
 logger = logging.getLogger("tinyvllm")
 
 
+def check_parallel(config: EngineConfig, device: torch.device, model_dir: "str | Path") -> None:
+    """Refuse a tensor-parallel size the model or the machine cannot run (one line).
+
+    Raises:
+        ValueError: the heads (or MLP) cannot be split over the ranks; more ranks per node than GPUs (CUDA)
+            or CPU cores (each rank needs at least one); a KV connector or disk KV tier (not supported with TP).
+    """
+    import json
+    import os
+
+    from tinyvllm.model.tensor_parallel import check_tensor_parallel
+
+    pc, cc = config.parallel_config, config.cache_config
+    tp, per_node = pc.tensor_parallel_size, len(pc.pipe_ranks())
+    if cc.kv_transfer_config is not None:
+        raise ValueError("--kv-transfer-config (prefill/decode disaggregation) is not supported with "
+                         "--tensor-parallel-size > 1 yet")
+    if cc.kv_offload_path is not None:
+        raise ValueError("--kv-offload-path (the disk KV tier) is not supported with --tensor-parallel-size > 1 "
+                         "yet; the host-memory tier (--kv-offload-size alone) is")
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    check_tensor_parallel(cfg.get("text_config", cfg) if "num_attention_heads" not in cfg else cfg, tp)
+    if device.type == "cuda" and per_node > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {tp} needs {per_node} GPUs on this node, "
+                         f"{torch.cuda.device_count()} visible")
+    if device.type == "cpu" and per_node > (os.cpu_count() or 1):
+        raise ValueError(f"tensor_parallel_size {tp} puts {per_node} ranks on this node's "
+                         f"{os.cpu_count()} CPU cores (one rank per core at least)")
+
+
 class EngineCore:
     """Scheduler + executor, driven one step at a time."""
 
@@ -63,6 +94,8 @@ class EngineCore:
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         self.dtype = mc.torch_dtype
+        if config.parallel_config.tensor_parallel_size > 1:  # a bad split is one line here, before any rank starts
+            check_parallel(config, self.device, self.resolved.model_dir)
         self.model_executor = get_executor_class(config)(config, self.device, self.resolved.model_dir, model)
         info = self.model_info = self.model_executor.model_info()
         if mc.max_model_len is not None and mc.max_model_len > info.max_position_embeddings:
@@ -134,15 +167,23 @@ class EngineCore:
         self.last_iteration = IterationStats()
         self._last_block_map = -BLOCK_MAP_INTERVAL_S
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (tensor-parallel rank processes; in-process: nothing)."""
+        self.model_executor.shutdown()
+
     @property
     def model(self) -> torch.nn.Module:
-        """The loaded model (uniprocess executor; tests share its weights between engines)."""
-        return self.model_executor.worker.model
+        """The loaded model (uniprocess executor; tests share its weights between engines). With tensor
+        parallelism, a stand-in with the model's ``config`` and ``quantization`` (the weights live in the ranks)."""
+        ex = self.model_executor
+        return ex.worker.model if hasattr(ex, "worker") else ex.model_stub
 
     @property
     def runner(self):  # noqa: ANN201 - ModelRunner; uniprocess executor, for tests and benchmarks
-        """The worker's model runner (uniprocess executor; tests and benchmarks inspect it)."""
-        return self.model_executor.worker.model_runner
+        """The worker's model runner (uniprocess executor; tests and benchmarks inspect it; None with tensor
+        parallelism)."""
+        ex = self.model_executor
+        return ex.worker.model_runner if hasattr(ex, "worker") else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineCoreRequest) -> None:

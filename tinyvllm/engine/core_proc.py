@@ -116,6 +116,9 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             logger.exception("engine core loop failed")
             _send_error(out_sock, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
             code = 1
+        finally:
+            if config.parallel_config.tensor_parallel_size > 1:
+                core.shutdown()  # the rank processes (in-process workers need nothing)
     finally:
         in_sock.close(0)
         out_sock.close()
@@ -142,6 +145,7 @@ def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             if os.getppid() != parent_pid:
                 logger.warning("parent process %d is gone; exiting", parent_pid)
                 return
+            core.model_executor.check_health()  # a dead tensor-parallel rank ends the core (-> 503 in the API)
         ready = poller.poll(0 if busy else _KV_PENDING_POLL_MS if kv_pending else _IDLE_POLL_MS)
         changed = False
         rejected: list[tuple[str, str]] = []

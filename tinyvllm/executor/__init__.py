@@ -7,7 +7,12 @@ from tinyvllm.executor.abstract import Executor
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor class for ``config``: uniprocess until tensor parallelism adds a multiprocess one."""
+    """The executor class for ``config``: the in-process one, or one worker process per tensor-parallel rank
+    (``tensor_parallel_size`` > 1, :mod:`tinyvllm.executor.multiproc`)."""
+    if config.parallel_config.tensor_parallel_size > 1:
+        from tinyvllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor
     from tinyvllm.executor.uniproc import UniProcExecutor
 
     return UniProcExecutor

@@ -4,9 +4,9 @@
 the executor: a :class:`~tinyvllm.scheduler_output.SchedulerOutput` in, a
 :class:`~tinyvllm.outputs.ModelRunnerOutput` out. Implementations:
 
-* :class:`~tinyvllm.executor.uniproc.UniProcExecutor`: one worker in the core's process (today's only one);
-* a multiprocess executor (next round): one worker process per tensor-parallel rank in a
-  ``torch.distributed`` group, the schedule broadcast to every rank, rank 0's output returned.
+* :class:`~tinyvllm.executor.uniproc.UniProcExecutor`: one worker in the core's process;
+* :class:`~tinyvllm.executor.multiproc.MultiprocExecutor`: one worker process per tensor-parallel rank in a
+  ``torch.distributed`` group, the schedule sent to every rank, rank 0's output returned.
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers and return the sampled tokens."""
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone (the engine core calls this about once a second; in-process: no-op)."""
 
     def shutdown(self) -> None:
         """Release the workers (no-op in-process)."""

@@ -48,8 +48,7 @@ QWEN3_0_6B: dict[str, Any] = {
 }
 
 # Gemma-3-1B-it's published config.json (26 layers, hidden 1152, 4 query / 1 KV head of 256, GeGLU 6912,
-# vocab 262144, sliding window 512 on 5 of every 6 layers, rope 1e6 global / 1e4 local). The window caps
-# max_model_len at 512 here (the kernels have no window: tinyvllm.model.gemma3).
+# vocab 262144, sliding window 512 on 5 of every 6 layers, rope 1e6 global / 1e4 local).
 GEMMA3_1B: dict[str, Any] = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
     "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,

@@ -393,11 +393,9 @@ def _read_gguf(gguf_path: str | Path, n_head: int, n_kv: int) -> dict[str, Any]:
     "unsupported": [(tensor name, type)], "quantized": bool}``. A fused projection (Q/K/V, gate/up)
     with any unsupported or unquantized part is left out (it keeps its dequantized weight).
     """
-    import gguf
+    from tinyvllm.model.loader import GGUF_PERMUTED_QK, _gguf_field, _unpermute_qk, gguf_reader
 
-    from tinyvllm.model.loader import GGUF_PERMUTED_QK, _gguf_field, _unpermute_qk
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = gguf_reader(gguf_path)
     permuted = _gguf_field(reader, "general.architecture", "llama") in GGUF_PERMUTED_QK
     parts: dict[int, dict[str, dict[str | None, QuantWeight]]] = {}
     head = embd = None

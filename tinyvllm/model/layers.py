@@ -171,6 +171,9 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     quant: Any = None  # a gguf_quant.QuantWeight (or QuantParts) once quantize() ran (native GGUF blocks)
+    # Row-parallel (tensor parallelism, tinyvllm.model.tensor_parallel): this rank holds a slice of the input
+    # columns; forward all-reduces the float32 partial sums over the group, then adds the bias once.
+    tp_group: Any = None
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # see Embedding.reset_parameters
@@ -190,11 +193,30 @@ class Linear(nn.Linear):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            return self.forward_row_parallel(x)
         if self.packed is not None:
             return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, self.bias)
         if self.quant is not None:
             return self.quant.run(self._kern, x, self.bias)
         return batch_invariant_linear(x, self.weight, self.bias)
+
+    def partial_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` without the bias, as float32 sums (the GEMM's own on packed or GGUF weights)."""
+        if self.packed is not None:
+            return self._kern.gemm_bf16(x, self.packed, self.out_features, self.in_features, None, True)
+        if self.quant is not None:
+            return self.quant.run(self._kern, x, None, True)
+        return batch_invariant_linear(x, self.weight).float()
+
+    def forward_row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-parallel forward (Megatron-LM's ``RowParallelLinear``; vLLM ``linear.py``): this rank's
+        float32 partial sums [M, out], all-reduced over ``tp_group`` (every rank gets the same bits), plus
+        the bias, rounded once to ``x``'s dtype."""
+        y = self.tp_group.all_reduce_float32(self.partial_float32(x))
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` with float32 outputs: on packed weights the GEMM's float32 sums as they are
@@ -236,12 +258,14 @@ class Attention(nn.Module):
     ``qk_norm_eps``, ``q_norm`` / ``k_norm`` are RMSNorms over each head's D features applied before
     RoPE (Qwen3, Gemma 3; vLLM ``qwen3.py``). ``scale``: the softmax scale (default D^-0.5).
     ``rope_index`` picks this layer's rotary among the model's (per-layer rope bases, NoPE layers).
+    ``window`` > 0: a sliding-window layer (a query at position p attends to keys p - window + 1 .. p;
+    Mistral, Gemma 3's local layers); 0: the whole causal context.
     The RoPE, KV-cache write and paged attention are the bound backend's :meth:`AttentionBackend.attention`.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool = False, o_bias: bool = False, scale: float | None = None,
-                 qk_norm_eps: float | None = None, rope_index: int = 0) -> None:
+                 qk_norm_eps: float | None = None, rope_index: int = 0, window: int = 0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -254,6 +278,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.rope_index = rope_index
+        self.window = int(window or 0)
         self._be: Any = None
 
     def bind(self, backend: Any) -> None:
@@ -267,7 +292,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         o = be.attention(qkv, kv_cache, md, ropes[self.rope_index], self.num_heads, self.num_kv_heads,
-                         self.head_dim, self.scale)
+                         self.head_dim, self.scale, self.window)
         return self.o_proj.forward(o)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:

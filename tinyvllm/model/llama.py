@@ -175,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         self._kern: Any = None  # the C++ kernels module, once pack_for_cpu packed the weights
         self.attn_backend: AttentionBackend | None = None
         self._plan: list[tuple] = []  # per layer, the tensors and linear layers forward reads (bind_attn_backend)
+        # Tensor parallelism (tinyvllm.model.tensor_parallel.shard_model): the group, and this rank's vocab rows
+        # [vocab_start, vocab_start + embed_tokens.num_embeddings) of the vocab-parallel embedding and LM head.
+        self.tp: Any = None
+        self.vocab_start, self.vocab_per_rank = 0, cfg.vocab_size
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -195,8 +199,16 @@ class LlamaForCausalLM(nn.Module):
             r._cos = r._sin = r._cos_sin = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T] int64 -> [T, hidden] in the model dtype."""
-        return F.embedding(input_ids, self.embed_tokens.weight)
+        """[T] int64 -> [T, hidden] in the model dtype. Tensor-parallel: this rank's vocab rows, zeros for
+        the other ranks' tokens, summed over the ranks (one non-zero term per element: exact)."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens.weight)
+        w = self.embed_tokens.weight
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= w.shape[0])
+        x = F.embedding(local.clamp(0, w.shape[0] - 1), w).float()
+        x[outside] = 0
+        return self.tp.all_reduce_float32(x).to(w.dtype)
 
     def remap_weight(self, name: str, tensor: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """A checkpoint tensor as the HF Llama names :func:`tinyvllm.model.weights.load_weights` maps
@@ -295,12 +307,24 @@ class LlamaForCausalLM(nn.Module):
         float32 sums, never rounded to bf16: a bf16 logit is off by up to 2^-9 of its size (0.03 nats at
         16), which decides near-ties between tokens; the mean error of float32's own tokens' logprobs
         fell from 0.021 to 0.017 nats on the 24 chat prompts of benchmarks/bf16_fidelity.py (issue 37).
-        The ``F.linear`` fallback rounds to the model dtype first."""
+        The ``F.linear`` fallback rounds to the model dtype first. Tensor-parallel: each rank's logits of
+        its vocab rows, all-gathered (a copy: exact) so every rank holds [N, vocab]."""
+        logits = self._local_logits(hidden)
+        if self.tp is None:
+            return logits
+        per = self.vocab_per_rank
+        if logits.shape[1] < per:
+            logits = torch.cat([logits, logits.new_zeros(logits.shape[0], per - logits.shape[1])], dim=1)
+        return self.tp.all_gather_last(logits)[:, :self.config.vocab_size]
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, rows of this rank's LM head] float32 (:meth:`compute_logits`)."""
         if self.lm_head is not None:
             return self.lm_head.forward_float32(hidden)
         if self.lm_head_quant is not None:
             return self.lm_head_quant.run(self.lm_head_quant_kern, hidden, None, True)
         if self.lm_head_packed is not None:
             cfg = self.config
-            return self._kern.gemm_bf16(hidden, self.lm_head_packed, cfg.vocab_size, cfg.hidden_size, None, True)
+            return self._kern.gemm_bf16(hidden, self.lm_head_packed, self.embed_tokens.weight.shape[0],
+                                        cfg.hidden_size, None, True)
         return batch_invariant_linear(hidden, self.embed_tokens.weight).float()

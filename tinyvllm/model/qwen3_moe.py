@@ -79,8 +79,14 @@ class SparseMoeBlock(nn.Module):
             w = w / w.sum(dim=-1, keepdim=True)
         return w.to(h.dtype), idx
 
+    tp_group: Any = None  # tensor parallelism: each expert holds a slice of its intermediate dim (tensor_parallel.py)
+
     def forward_paged(self, h: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, hidden]: each chosen expert runs once on the rows of the tokens that chose it."""
+        """[T, hidden] -> [T, hidden]: each chosen expert runs once on the rows of the tokens that chose it.
+        Tensor-parallel: every rank runs every chosen expert on its slice of the expert's intermediate dim;
+        the weighted float32 partial sums are all-reduced once per layer."""
+        if self.tp_group is not None:
+            return self._forward_tp(h)
         w, idx = self.route(h)
         k = self.top_k
         flat = idx.reshape(-1)
@@ -97,6 +103,25 @@ class SparseMoeBlock(nn.Module):
             y = self.experts[e].forward_paged(h.index_select(0, rows)) * w[rows, s].unsqueeze(1)
             out.index_add_(0, rows, y)  # a token appears once per expert: no duplicate rows
         return out
+
+    def _forward_tp(self, h: torch.Tensor) -> torch.Tensor:
+        w, idx = self.route(h)
+        k = self.top_k
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens, slots = order // k, order % k
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if not c:
+                continue
+            rows, s = tokens[start:start + c], slots[start:start + c]
+            start += c
+            ex = self.experts[e]
+            y = ex.down_proj.partial_float32(ex._act(ex.gate_up_proj.forward(h.index_select(0, rows))))
+            out.index_add_(0, rows, y * w[rows, s].unsqueeze(1).float())
+        return self.tp_group.all_reduce_float32(out).to(h.dtype)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

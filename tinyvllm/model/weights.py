@@ -31,7 +31,7 @@ from tinyvllm.config import LOAD_FORMATS
 from tinyvllm.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tinyvllm")
-PREPARED_VERSION = 1
+PREPARED_VERSION = 2  # 2: Gemma 3 norm weights are stored as w (HF), not 1 + w
 PREPARED_MIN_BYTES = 32 << 20  # smaller sources load in milliseconds: not worth a cache file
 _KEY_META = "tinyvllm_prepared_key"
 

@@ -3,21 +3,29 @@ Decoding for Emerging AI Applications"), the method of vLLM's ``{"method": "suff
 
 Two sources of continuations, each queried as a suffix tree of depth ``max_depth``:
 
-* **the request's own text** (prompt + output so far): every earlier occurrence of the longest
-  suffix of the request's tokens that occurs before, with what followed it;
+* **the request's own text** (prompt + output so far): every earlier occurrence of a suffix of
+  the request's tokens, with what followed it;
 * **a global tree over recent outputs**: the outputs of the last ``max_cached_requests`` finished
   requests, inserted as a suffix trie (every suffix, cut at ``max_depth`` tokens) whose nodes count
   how often their path occurred. Agent loops repeat themselves across requests (the same tool
   call, the same file), which the request's own text does not show.
 
 **Speculation** (the paper's sec. 4.2, a single path rather than a tree, since verification here
-is one sequence per request): match the longest suffix of the request's last ``max_depth`` tokens
-(``p`` tokens); from the matched node repeatedly take the most frequent child, multiplying the
-path's probability by ``count(child) / count(all children)``; stop when that probability falls
-below ``min_token_prob``, at ``max_spec_factor * p`` tokens (a longer match earns a longer draft:
-speculation of variable length, more where the tree is confident) or at ``k``. Of the two
-sources' drafts the one with the larger score (the sum of its path probabilities: its expected
-number of accepted tokens) is proposed.
+is one sequence per request): for a match of the request's last ``L`` tokens, from the matched
+node repeatedly take the most frequent child, multiplying the path's probability by
+``count(child) / count(all children)``; stop when that probability falls below ``min_token_prob``,
+at ``max_spec_factor * L`` tokens (a longer match earns a longer draft: speculation of variable
+length, more where the tree is confident), at the tree's depth (``max_depth - L``: a path holds the
+match and the draft) or at ``k``. The draft's score is the sum of its path probabilities (its
+expected number of accepted tokens). Every match length ``L`` up to the longest is a candidate
+and the best score wins, as in ArcticInference's ``SuffixTree::speculate``
+(``csrc/suffix_decoding/suffix_tree.cc``, the implementation behind vLLM's method): the longest
+match alone is not enough, since a long match leaves little depth for the draft (a match of
+``max_depth - 1`` tokens while a file is copied would draft a single token). Lengths are tried in
+decreasing order of their draft cap (the longer first among equal caps), at most
+``MAX_MATCH_LENGTHS`` of them, and the search stops once no cap left can beat the best score, so a
+confident copy costs one walk and any query at most four. Of the two sources' drafts the one with
+the larger score is proposed.
 
 The request's own "tree" is not built as a trie: a trie over a 2,000-token prompt costs ~50,000
 node updates (tens of ms of Python at admission). The same query (occurrences of the matched
@@ -32,6 +40,11 @@ from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
+
+from tinyvllm.spec_decode.ngram_proposer import suffix_matches
+
+
+MAX_MATCH_LENGTHS = 4  # match lengths tried per query (those with the largest draft caps)
 
 
 class _Node:
@@ -93,23 +106,42 @@ class SuffixTree:
 
     def speculate(self, context: Sequence[int], k: int, max_spec_factor: float,
                   min_token_prob: float) -> tuple[list[int], float]:
-        """The most frequent path after the matched suffix: ``(tokens, score)`` (see the module docstring)."""
-        node, p = self.match(context)
-        if node is None:
-            return [], 0.0
-        limit = min(k, max(1, math.floor(max_spec_factor * p)))  # (and the tree's depth: max_depth - p)
-        out: list[int] = []
-        prob, score = 1.0, 0.0
-        while node.children and len(out) < limit:
-            total = sum(c.count for c in node.children.values())
-            tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: lowest id
-            prob *= child.count / total
-            if prob < min_token_prob:
+        """The best-scoring draft over every matched suffix of ``context``: ``(tokens, score)`` (see the
+        module docstring); ``([], 0.0)`` if no suffix matches."""
+        _, p = self.match(context)
+        best: list[int] = []
+        best_score = 0.0
+        n = len(context)
+        for cap, length in _match_lengths(p, k, max_spec_factor, self.max_depth):
+            if cap <= best_score:  # a draft of cap tokens scores at most cap
                 break
-            out.append(tok)
-            score += prob
-            node = child
-        return out, score
+            node: _Node | None = self.root
+            for t in context[n - length:]:
+                node = node.children.get(t)  # type: ignore[union-attr]
+                if node is None:
+                    break
+            out: list[int] = []
+            prob, score = 1.0, 0.0
+            while node is not None and node.children and len(out) < cap:
+                total = sum(c.count for c in node.children.values())
+                tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, -kv[0]))  # ties: lowest id
+                prob *= child.count / total
+                if prob < min_token_prob:
+                    break
+                out.append(tok)
+                score += prob
+                node = child
+            if score > best_score:
+                best, best_score = out, score
+        return best, best_score
+
+
+def _match_lengths(p: int, k: int, max_spec_factor: float, max_depth: int) -> list[tuple[int, int]]:
+    """``(draft cap, match length)`` for the match lengths ``1..p``, in the order they are tried:
+    decreasing cap, then the longer match first (the more specific context)."""
+    caps = [(min(k, max(1, math.floor(max_spec_factor * m)), max_depth - m), m) for m in range(p, 0, -1)]
+    caps.sort(key=lambda c: -c[0])  # stable: longer first among equal caps
+    return caps[:MAX_MATCH_LENGTHS]
 
 
 def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_factor: float,
@@ -117,42 +149,45 @@ def speculate_from_sequence(toks: np.ndarray, max_depth: int, k: int, max_spec_f
     """:meth:`SuffixTree.speculate` over the suffix tree of one sequence ``toks`` (int64 array),
     queried with ``toks``'s own end as the context, by scanning instead of building the tree."""
     n = len(toks)
-    if n < 2:
-        return [], 0.0
-    cand = np.flatnonzero(toks[:n - 1] == toks[-1])  # earlier occurrences of the last token (end positions)
+    # every earlier occurrence of the last token, and how far back it matches the end (at most
+    # max_depth - 1 tokens: a match of max_depth would leave no room in the tree)
+    cand, match = suffix_matches(toks, max_depth - 1)
     if cand.size == 0:
         return [], 0.0
-    match = np.ones(cand.size, dtype=np.int64)
-    alive = np.arange(cand.size)
-    for d in range(1, max_depth - 1):  # a match of max_depth tokens would leave no room in the tree
-        pos = cand[alive] - d
-        ok = pos >= 0
-        ok[ok] = toks[pos[ok]] == toks[n - 1 - d]
-        alive = alive[ok]
-        if alive.size == 0:
+    best: list[int] = []
+    best_score = 0.0
+    for cap, length in _match_lengths(int(match.max()), k, max_spec_factor, max_depth):
+        if cap <= best_score:  # a draft of cap tokens scores at most cap
             break
-        match[alive] += 1
-    p = int(match.max())
-    occ = cand[match == p]  # every earlier occurrence of the longest matched suffix
-    limit = min(k, max(1, math.floor(max_spec_factor * p)), max_depth - p)  # the tree's paths end at max_depth
-    out: list[int] = []
-    prob, score = 1.0, 0.0
-    for d in range(limit):
-        nxt_pos = occ + 1 + d
-        occ = occ[nxt_pos < n]
-        if occ.size == 0:
-            break
-        nxt = toks[occ + 1 + d]
-        vals, counts = np.unique(nxt, return_counts=True)
-        best = int(np.argmax(counts))  # ties: the lowest token id, as in SuffixTree.speculate
-        prob *= float(counts[best]) / nxt.size
-        if prob < min_token_prob:
-            break
-        tok = int(vals[best])
-        out.append(tok)
-        score += prob
-        occ = occ[nxt == tok]
-    return out, score
+        occ = cand[match >= length]  # every earlier occurrence of the last `length` tokens
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        for d in range(cap):
+            occ = occ[occ + 1 + d < n]
+            if occ.size == 0:
+                break
+            if occ.size == 1:  # one occurrence left: the rest of the path is its continuation, prob unchanged
+                o = int(occ[0])
+                rest = toks[o + 1 + d:min(n, o + 1 + cap)].tolist()
+                out += rest
+                score += prob * len(rest)
+                break
+            nxt = toks[occ + 1 + d]
+            if (nxt == nxt[0]).all():  # every occurrence continues alike: prob unchanged
+                tok = int(nxt[0])
+            else:
+                vals, counts = np.unique(nxt, return_counts=True)
+                top = int(np.argmax(counts))  # ties: the lowest token id, as in SuffixTree.speculate
+                prob *= float(counts[top]) / nxt.size
+                if prob < min_token_prob:
+                    break
+                tok = int(vals[top])
+            out.append(tok)
+            score += prob
+            occ = occ[nxt == tok]
+        if score > best_score:
+            best, best_score = out, score
+    return best, best_score
 
 
 class SuffixProposer:

@@ -317,34 +317,42 @@ class ModelRunner:
             logits = logits.float()
         return apply_token_bitmask(logits, bitmask, rows), set(ids)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
-                constrained: set[str] = frozenset()) -> ModelRunnerOutput:  # type: ignore[assignment]
-        """Sample one token per row of ``logits`` [N, vocab] float32 (row i is ``reqs[i]``)."""
-        banned = []
-        for st in reqs:
+    def _sampling_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState], drafts: list[list[int]] | None,
+                       constrained: set[str]) -> tuple[SamplingMetadata, torch.Tensor]:
+        """The per-row sampling setup of a step: ``len(drafts[i]) + 1`` consecutive rows of ``logits``
+        [R, vocab] per request (one without drafts). Row j of a request is sampled as if its drafts
+        ``x_1..x_j`` were already output tokens: penalties count them, EOS and stop ids are banned while
+        the output is shorter than ``min_tokens`` (unless a grammar decides, ``constrained``), and the
+        request's OpenAI ``logit_bias`` is added to the row. Returns the metadata and the logits (a
+        biased copy where any row has a bias; the input is not modified)."""
+        params, prompts, outputs, gens, banned, bias_rows = [], [], [], [], [], []
+        for i, st in enumerate(reqs):
             sp = st.sampling_params
-            if st.req_id in constrained:  # the grammar decides where EOS may come
-                banned.append([])
-            elif len(st.output_token_ids) < sp.min_tokens:  # EOS and stop ids wait until min_tokens
-                banned.append(sorted(st.eos_token_ids | set(sp.stop_token_ids or [])))
-            else:
-                banned.append([])
-        smd = SamplingMetadata.build(
-            [st.sampling_params for st in reqs],
-            [st.prompt_token_ids for st in reqs],
-            [st.output_token_ids for st in reqs],
-            [st.generator for st in reqs],
-            banned,
-            device=self.device,
-        )
-        biased = [(i, st.sampling_params.logit_bias) for i, st in enumerate(reqs) if st.sampling_params.logit_bias]
-        if biased:  # OpenAI logit_bias: added to the logits before the sampler (penalties, top-k/p, sampling)
-            rows = [i for i, b in biased for _ in b]
-            cols = [t for _, b in biased for t in b]
-            vals = [v for _, b in biased for v in b.values()]
+            d = drafts[i] if drafts else []
+            stop_ids = sorted(st.eos_token_ids | set(sp.stop_token_ids or []))
+            for j in range(len(d) + 1):
+                if sp.logit_bias:
+                    bias_rows.append((len(params), sp.logit_bias))
+                params.append(sp)
+                prompts.append(st.prompt_token_ids)
+                outputs.append(st.output_token_ids + d[:j] if j else st.output_token_ids)
+                gens.append(st.generator)
+                banned.append(stop_ids if st.req_id not in constrained
+                              and len(st.output_token_ids) + j < sp.min_tokens else [])
+        smd = SamplingMetadata.build(params, prompts, outputs, gens, banned, device=self.device)
+        if bias_rows:  # OpenAI logit_bias: added to the logits before the sampler (penalties, top-k/p, sampling)
+            rows = [i for i, b in bias_rows for _ in b]
+            cols = [t for _, b in bias_rows for t in b]
+            vals = [v for _, b in bias_rows for v in b.values()]
             logits = logits.clone()
             logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
                               torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        return smd, logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                constrained: set[str] = frozenset()) -> ModelRunnerOutput:  # type: ignore[assignment]
+        """Sample one token per row of ``logits`` [N, vocab] float32 (row i is ``reqs[i]``)."""
+        smd, logits = self._sampling_rows(logits, reqs, None, constrained)
         out = self.sampler(logits, smd)
         token_ids = out.sampled_token_ids.tolist()
         sampled = {st.req_id: t for st, t in zip(reqs, token_ids)}
@@ -369,29 +377,9 @@ class ModelRunner:
         ``min_tokens``, logit_bias as in :meth:`_sample`). Logprobs are of the emitted tokens, under
         the raw distribution of the row each came from.
         """
-        params, prompts, outputs, gens, banned, bias_rows = [], [], [], [], [], []
-        for st, d in zip(reqs, drafts):
-            sp = st.sampling_params
-            stop_ids = sorted(st.eos_token_ids | set(sp.stop_token_ids or []))
-            for j in range(len(d) + 1):
-                if sp.logit_bias:
-                    bias_rows.append((len(params), sp.logit_bias))
-                params.append(sp)
-                prompts.append(st.prompt_token_ids)
-                outputs.append(st.output_token_ids + d[:j] if j else st.output_token_ids)
-                gens.append(st.generator)
-                banned.append(stop_ids if st.req_id not in constrained
-                              and len(st.output_token_ids) + j < sp.min_tokens else [])
-        smd = SamplingMetadata.build(params, prompts, outputs, gens, banned, device=self.device)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if bias_rows:
-            rows = [i for i, b in bias_rows for _ in b]
-            cols = [t for _, b in bias_rows for t in b]
-            vals = [v for _, b in bias_rows for v in b.values()]
-            logits = logits.clone()
-            logits.index_put_((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
-                              torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+        smd, logits = self._sampling_rows(logits, reqs, drafts, constrained)
         tokens, token_rows = rejection_sample(self.sampler, logits, smd, drafts)
         out = ModelRunnerOutput()
         for st, d, toks in zip(reqs, drafts, tokens):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from tinyvllm.model.weights import load_model
 from tinyvllm.outputs import ModelRunnerOutput
 from tinyvllm.scheduler_output import SchedulerOutput
 from tinyvllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tinyvllm.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger("tinyvllm")
 
@@ -62,7 +66,7 @@ class Worker:
     """
 
     def __init__(self, config: EngineConfig, device: torch.device, model_dir: str | Path,
-                 model: torch.nn.Module | None = None) -> None:
+                 model: torch.nn.Module | None = None, tp: "TPGroup | None" = None) -> None:
         self.config = config
         self.device = device
         mc = config.model_config
@@ -72,6 +76,11 @@ class Worker:
         if model is None:
             model = load_model(model_dir, self.dtype, device, load_format=mc.load_format, seed=mc.seed,
                                quantization=mc.quantization)
+        self.tp = tp
+        if tp is not None:  # this rank's share of the weights and KV heads (tensor parallelism)
+            from tinyvllm.model.tensor_parallel import shard_model
+
+            shard_model(model, tp)
         model_device = next(model.parameters()).device
         if model_device.type != device.type:
             raise ValueError(f"the preloaded model is on {model_device}, but the engine runs on {device}")
@@ -79,6 +88,18 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self.model_dir = Path(model_dir)
         self.kv_connector = None  # the worker half of a KV connector (--kv-transfer-config), else None
+
+    def quantization(self) -> str:
+        """``gguf`` when the linears run on native GGUF blocks, else ``none``."""
+        return str(getattr(self.model, "quantization", "none"))
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor on this worker ([2, blocks, block_size, its KV heads, D])."""
+        return tuple(self.model_runner.kv_caches[0].shape)
+
+    def tp_comm_stats(self) -> tuple[float, int]:
+        """``(seconds, calls)`` this rank spent in tensor-parallel collectives since the last call (then reset)."""
+        return self.tp.reset_comm_stats() if self.tp is not None else (0.0, 0)
 
     def model_info(self) -> ModelInfo:
         cfg = self.model.config

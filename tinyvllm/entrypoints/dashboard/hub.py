@@ -17,7 +17,14 @@ An SSE event (``data:`` JSON) carries, with times in seconds relative to the hub
 * ``prefix_cache``: cumulative ``queries`` / ``hits`` (tokens), ``miss_reasons`` (prompts);
 * ``finished``: ``[t, ttft, tpot, output_tokens]`` of requests finished since the last event;
 * ``requests``: the most recent requests (running first), with cached tokens and KV cost;
-* ``engine``: ``running`` (bool), ``pid``, ``model``, ``block_size``.
+* ``engine``: ``running`` (bool), ``pid``, ``model``, ``block_size``;
+* ``spec_decode``: None without ``--speculative-config``; else ``method``, ``k``
+  (``num_speculative_tokens``) and the cumulative counters ``drafts``, ``draft_tokens``,
+  ``accepted_tokens``, ``accepted_per_pos`` / ``draft_tokens_per_pos`` (lists by position in the
+  draft) and ``propose_seconds`` -- the figures of ``/metrics``' ``spec_decode_*``. The page derives
+  the acceptance rate (accepted / draft tokens), the mean accepted length (1 + accepted / drafts,
+  tokens per verification step), drafts/s (from the change between events) and the acceptance per
+  position (accepted_per_pos / draft_tokens_per_pos).
 """
 
 from __future__ import annotations
@@ -132,4 +139,15 @@ class DashboardHub:
             "kv_block_seconds": round(st.kv_block_seconds, 3),
             "finished": finished,
             "requests": rows[:TABLE_ROWS],
+            "spec_decode": self._spec_decode(st),
         }
+
+    def _spec_decode(self, st: Any) -> dict[str, Any] | None:
+        spec = self.engine.config.speculative_config
+        if spec is None:
+            return None
+        return {"method": spec.method, "k": spec.num_speculative_tokens, "drafts": st.spec_decode_num_drafts,
+                "draft_tokens": st.spec_decode_num_draft_tokens, "accepted_tokens": st.spec_decode_num_accepted_tokens,
+                "accepted_per_pos": list(st.spec_decode_num_accepted_tokens_per_pos),
+                "draft_tokens_per_pos": list(st.spec_decode_num_draft_tokens_per_pos),
+                "propose_seconds": round(st.spec_decode_propose_seconds, 4)}

@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 
-from tinyvllm.config import EngineArgs
+from tinyvllm.config import EngineArgs, EngineConfig
 from tinyvllm.entrypoints.openai.cli_args import check_server_args, flag_message
 
 logger = logging.getLogger("tinyvllm.api_server")
@@ -43,6 +43,27 @@ def _listen_error(host: str, port: int) -> tuple[str, int] | None:
     return None
 
 
+def run_headless_node(config: EngineConfig) -> int:
+    """Run this node's tensor-parallel ranks without an API server or engine core (node 0 drives them);
+    returns 0 when node 0 shuts them down, 1 when a rank fails (its error is logged)."""
+    from tinyvllm.config import resolve_device
+    from tinyvllm.engine.core import check_parallel
+    from tinyvllm.executor.multiproc import run_headless
+    from tinyvllm.model.loader import resolve_model
+
+    pc = config.parallel_config
+    try:
+        resolved = resolve_model(config.model_config.model, config.model_config.load_format)
+        check_parallel(config, resolve_device(config.model_config.device), resolved.model_dir)
+    except ValueError as e:
+        logger.error("invalid engine options: %s", e)
+        return 2
+    ranks = pc.pipe_ranks()
+    logger.info("node %d of %d: tensor-parallel ranks %s of %d, group at %s:%s (no API server on this node)",
+                pc.node_rank, pc.nnodes, ranks, pc.tensor_parallel_size, pc.master_addr, pc.master_port)
+    return run_headless(config, str(resolved.model_dir), ranks, pc.pipe_ranks_node0)
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Start the engine core process and serve HTTP until SIGINT/SIGTERM; returns the exit code."""
     level = getattr(logging, str(args.log_level).upper(), logging.INFO)
@@ -60,6 +81,19 @@ def run_server(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         logger.error("invalid engine options: %s", flag_message(str(e)))
         return 2
+    if config.parallel_config.headless:  # --node-rank > 0 (or a torchrun rank > 0): this node's ranks only
+        return run_headless_node(config)
+    if config.parallel_config.tensor_parallel_size > 1:  # a size the model cannot split: one line, no process
+        from tinyvllm.config import resolve_device
+        from tinyvllm.engine.core import check_parallel
+        from tinyvllm.model.loader import resolve_model
+
+        try:
+            mc = config.model_config
+            check_parallel(config, resolve_device(mc.device), resolve_model(mc.model, mc.load_format).model_dir)
+        except ValueError as e:
+            logger.error("invalid engine options: %s", flag_message(str(e)))
+            return 2
     if (err := _listen_error(args.host, args.port)) is not None:
         logger.error("%s", err[0])
         return err[1]

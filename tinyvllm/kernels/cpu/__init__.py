@@ -28,7 +28,7 @@ SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name(
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"),
            Path(__file__).with_name("cpu_gemm_amx.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_pool.h"), Path(__file__).with_name("cpu_common.h"),
-           Path(__file__).with_name("cpu_vec.h"))  # included by the sources: part of the build key
+           Path(__file__).with_name("cpu_vec.h"), Path(__file__).with_name("attention_int8.h"))  # included by the sources: part of the build key
 
 
 _BUILT_MARKER = "tinyvllm_built"

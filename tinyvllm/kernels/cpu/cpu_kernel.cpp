@@ -688,7 +688,7 @@ inline __m512 exp2_fast16(__m512 x) {
 // added (not on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no
 // scaling). Which branches run depends only on the pair's own position,
 // scores and the tile, never on the other rows.
-template <int ND, bool kTileSum = false>
+template <int ND, bool kTileSum = false, __m512 (*Exp2)(__m512) = exp2_fast16>  // Exp2: attention_int8.h's may differ
 inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
                            __m512& alpha) {
   constexpr int NC = kKvTile / 16;
@@ -716,14 +716,14 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     const float m_new = _mm512_reduce_max_ps(mx);
     if (ps.m != -std::numeric_limits<float>::infinity()) {  // the first tile: o = l = 0, nothing to scale
       changed = true;
-      alpha = exp2_fast16(_mm512_set1_ps(ps.m - m_new));
+      alpha = Exp2(_mm512_set1_ps(ps.m - m_new));
     }
     ps.m = m_new;
   }
   const __m512 mv = _mm512_set1_ps(ps.m);
   __m512 p[NC];
   for (int c = 0; c < NC; ++c) {
-    p[c] = exp2_fast16(_mm512_fmsub_ps(s[c], vlog2, mv));
+    p[c] = Exp2(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
   if constexpr (kTileSum) {
@@ -992,6 +992,8 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
   });
 }
 
+#include "attention_int8.h"  // issue 39: the int8 Q K^T over an int8 cache (attention_tiled_i8)
+
 // Dot-product ceilings (the benchmarks' references: what the tiled attention's S = Q K^T loop could
 // reach on this CPU, operands from L1), FLOP = 2 per multiply-add, on every thread:
 //  * vec_dot_ceiling<false>: tile_pairs' inner loop, per dim pair 4 K vectors and 6 broadcast queries,
@@ -1131,6 +1133,12 @@ void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const 
                       torch::Tensor& out, int64_t window = 0) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
   if (allow_tiled && g_vector_kernels && g_tiled_attention) {
+#if defined(TINYVLLM_INT8_QK)
+    if (kind == kKvInt8 && g_int8_qk) {
+      if (q.size(2) == 64) return attention_tiled_i8<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+      if (q.size(2) == 128) return attention_tiled_i8<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    }
+#endif
 #define TINYVLLM_QT(ND) return kind == kKvInt8 \
       ? attention_tiled<O, ND, kKvInt8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window) \
       : attention_tiled<O, ND, kKvFp8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
@@ -1562,6 +1570,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return 0.0;
 #endif
   }, "FLOP/s of a TDPBSSD (AMX-INT8) loop shaped like amx_dot_ceiling's, all threads (0 without AMX-INT8)");
+  m.def("has_int8_attention", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(TINYVLLM_INT8_QK)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether the int8 Q K^T attention over an int8 cache (attention_int8.h: VPDPBUSD / AMX-INT8) was compiled in");
+  m.def("set_int8_attention", [](bool on, int64_t profile, bool exp3) {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(TINYVLLM_INT8_QK)
+    g_int8_qk = on;
+    g_int8_profile = static_cast<int>(profile);
+    g_int8_exp3 = exp3;
+#else
+    (void)on, (void)profile, (void)exp3;
+#endif
+  }, "int8 cache, head size 64 / 128: the int8 Q K^T kernel (default) or bf16 tiles (A/B); exp3: its softmax's "
+     "degree-3 exp2 (default) or the bf16 kernel's degree-4 one (A/B); profile != 0 skips stages for "
+     "measurements only (1 Q K^T, 2 softmax, 4 P V, 8 packing: wrong outputs)",
+     py::arg("on"), py::arg("profile") = 0, py::arg("exp3") = true);
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("set_parallel_pool", [](bool on) { return tv_pool::Pool::get().set_enabled(on); },
         "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False; the default "
