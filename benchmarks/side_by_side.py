@@ -119,7 +119,9 @@ def stop_server(proc: subprocess.Popen) -> None:
             pass
 
 
-def measure(name: str, url: str, command: str, model: str, out: Path, start_timeout: float) -> dict:
+def measure(name: str, url: str, command: str, model: str, out: Path, start_timeout: float,
+            c1_prompts: int = 8, c16_prompts: int = 64, prefix: bool = True, input_len: int = 256,
+            output_len: int = 128) -> dict:
     t_launch = time.perf_counter()
     proc = start_server(name, command, out)
     sampler = RssSampler(proc.pid)
@@ -129,20 +131,21 @@ def measure(name: str, url: str, command: str, model: str, out: Path, start_time
         res["start_s"] = wait_healthy(url, proc, start_timeout)
         time.sleep(1.0)
         res["idle_rss_gb"] = group_rss_bytes(proc.pid) / 1e9
-        common = ["--dataset", "random", "--input-len", "256", "--output-len", "128"]
+        common = ["--dataset", "random", "--input-len", str(input_len), "--output-len", str(output_len)]
         run_workload(name, url, model, out, "warmup", common + ["--num-prompts", "2", "--max-concurrency", "1",
                                                                   "--seed", "99"])
-        m1 = run_workload(name, url, model, out, "c1", common + ["--num-prompts", "8", "--max-concurrency", "1"])
-        m16 = run_workload(name, url, model, out, "c16", common + ["--num-prompts", "64", "--max-concurrency", "16",
-                                                                   "--seed", "1"])
+        m1 = run_workload(name, url, model, out, "c1", common + ["--num-prompts", str(c1_prompts),
+                                                                 "--max-concurrency", "1"])
+        m16 = run_workload(name, url, model, out, "c16", common + ["--num-prompts", str(c16_prompts),
+                                                                   "--max-concurrency", "16", "--seed", "1"])
         mp = run_workload(name, url, model, out, "prefix",
                           ["--dataset", "shared-prefix", "--prefix-len", "1024", "--suffix-len", "64",
                            "--output-len", "64", "--num-groups", "1", "--num-prompts", "8", "--max-concurrency", "1",
-                           "--seed", "2"])
+                           "--seed", "2"]) if prefix else {}
         res.update(
             c1_ttft_ms=m1["median_ttft_ms"], c1_tpot_ms=m1["median_tpot_ms"], c1_out_tok_s=m1["output_throughput"],
             c16_out_tok_s=m16["output_throughput"], c16_ttft_ms=m16["median_ttft_ms"],
-            c16_tpot_ms=m16["median_tpot_ms"], prefix_hit_ttft_ms=mp["median_ttft_ms"],
+            c16_tpot_ms=m16["median_tpot_ms"], prefix_hit_ttft_ms=mp.get("median_ttft_ms"),
             errors=m1.get("errors", 0) + m16.get("errors", 0) + mp.get("errors", 0),
         )
     finally:
@@ -196,13 +199,19 @@ def main() -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name (all servers)")
     p.add_argument("--out", default=f"bench_results/side-by-side-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--c1-prompts", type=int, default=8, help="requests of the one-stream workload")
+    p.add_argument("--c16-prompts", type=int, default=64, help="requests of the concurrency-16 workload")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens of the random workloads")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens of the random workloads")
+    p.add_argument("--no-prefix", dest="prefix", action="store_false", help="skip the shared-prefix workload")
     args = p.parse_args()
     out = (ROOT / args.out) if not os.path.isabs(args.out) else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name, url, command in args.server:
         try:
-            results.append(measure(name, url.rstrip("/"), command, args.model, out, args.start_timeout))
+            results.append(measure(name, url.rstrip("/"), command, args.model, out, args.start_timeout,
+                                   args.c1_prompts, args.c16_prompts, args.prefix, args.input_len, args.output_len))
         except Exception as e:  # keep going: report what failed
             print(f"!! {name}: {type(e).__name__}: {e}", file=sys.stderr)
             results.append({"server": name, "command": command, "error": f"{type(e).__name__}: {e}"})

@@ -123,3 +123,27 @@ def test_roofline_model_costs_match_the_model_built_from_the_config(tie):
     assert c["kv_bytes_per_token"] == LlamaConfig.from_dict(cfg).kv_bytes_per_token(torch.bfloat16)
     if tie:
         assert n == 1_235_814_400  # Llama-3.2-1B's published parameter count (its "1.24B")
+
+
+@pytest.mark.slow  # 24 s at load 15 (the 49K-token tokenizer's padding and Q8_0 embedding)
+def test_dummy_gguf_has_llamacpp_names_shapes_and_padded_vocab(tmp_path):
+    """``write_dummy_gguf`` (issue 43's llama.cpp comparisons): the shapes of the config under llama.cpp's
+    tensor names, Q8_0 linears/embedding, experts stacked [E, out, in], the tokenizer padded to vocab_size."""
+    import gguf
+
+    from tinyvllm.model.dummy import QWEN3_MOE_SMALL, write_dummy_gguf
+
+    cfg = dict(QWEN3_MOE_SMALL, num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=49152 + 100)
+    r = gguf.GGUFReader(str(write_dummy_gguf(tmp_path / "m.gguf", cfg, qtype="Q8_0")))
+    t = {x.name: x for x in r.tensors}
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    assert r.fields["qwen3moe.expert_count"].contents() == 4
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == cfg["vocab_size"] and tokens[-1] == f"[PAD{cfg['vocab_size'] - 1}]"
+    assert len(r.fields["tokenizer.ggml.token_type"].contents()) == cfg["vocab_size"]
+    assert t["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert list(t["blk.0.ffn_gate_exps.weight"].shape) == [64, 32, 4]  # gguf lists dims innermost first
+    assert list(t["blk.0.ffn_down_exps.weight"].shape) == [32, 64, 4]
+    assert list(t["blk.0.attn_k.weight"].shape) == [64, 64]
+    assert "output.weight" in t and "blk.0.attn_q_norm.weight" in t

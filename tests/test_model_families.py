@@ -8,7 +8,7 @@ transformers proved): prefill + decode logits in float32 within 1e-4 absolute; g
 batching, chunked prefill, prefix-cache hits and preemption identical to transformers' greedy.
 
 Default tier: logits of every family on the default backend (the C++ kernels where they build), the
-engine paths of Qwen3-MoE and Gemma 3 (sliding window), GGUF and native GGUF of Qwen3-MoE, the window,
+engine paths of Qwen3-MoE and Mistral (sliding window), GGUF and native GGUF of Qwen3-MoE, the window,
 the dummy shapes, the error paths.
 ``slow``: the other families' engine paths, GGUF, native GGUF, the torch reference and the Triton
 interpreter backends, bf16 agreement, a dummy MoE run, the CLI's one-line error.
@@ -38,7 +38,7 @@ from tiny_models import FAMILIES, make_tiny_family, write_family_gguf  # noqa: E
 
 ALL = list(FAMILIES)
 GGUF_FAMILIES = [f for f in ALL if FAMILIES[f]["gguf_arch"]]
-ENGINE_DEFAULT = ("qwen3moe", "gemma3")  # gemma3: sliding-window and global layers
+ENGINE_DEFAULT = ("qwen3moe", "mistral")  # mistral: a sliding window (8 keys) on every layer
 NUM_TOKENS = 32
 
 

@@ -352,6 +352,7 @@ def test_n_greater_than_one_with_speculation(smol_llm, spec_llm, prompt_ids, ref
     _no_leak(spec_llm)
 
 
+@pytest.mark.slow  # ~94 s under load 20 (a new engine with a tier, 6 generations): over the default tier's budget
 def test_offload_tier_restores_a_session_with_speculation(smol_llm, make_smol_llm, prompt_ids):
     """A session's blocks are evicted from a small pool to the offload tier by another session, then
     its next turn loads them back and decodes with drafts: token for token the plain engine's output."""

@@ -316,6 +316,7 @@ void attention_tiled_i8_impl(const torch::Tensor& q, const torch::Tensor& key_ca
         _mm512_store_ps(s.st.l, _mm512_setzero_ps());
         for (int v = 0; v < ND; ++v) _mm512_store_ps(s.st.o + v * 16, _mm512_setzero_ps());
         s.st.pos = static_cast<int32_t>(pos0 + p / G);
+        s.st.lo = 0;  // no sliding window here (attention_q_impl sends windowed calls to attention_tiled)
       }
       const auto fill = [&](int64_t j0, const uint8_t** kr, const uint8_t** vr) {
         int64_t j = 0;

@@ -1134,7 +1134,7 @@ void attention_q_impl(int kind, bool allow_tiled, const torch::Tensor& q, const 
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
   if (allow_tiled && g_vector_kernels && g_tiled_attention) {
 #if defined(TINYVLLM_INT8_QK)
-    if (kind == kKvInt8 && g_int8_qk) {
+    if (kind == kKvInt8 && g_int8_qk && window == 0) {  // a sliding window: attention_tiled below
       if (q.size(2) == 64) return attention_tiled_i8<O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
       if (q.size(2) == 128) return attention_tiled_i8<O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
     }
