@@ -1,10 +1,13 @@
 """The C++ CPU kernels (``cpu_kernel.cpp``: paged attention, fused RoPE + KV write + attention, RMSNorm,
 SiLU-and-mul; ``cpu_gemm.cpp``: the batch-invariant bf16 GEMM on packed weights; ``cpu_gemm_amx.cpp``: its AMX
 path; ``cpu_gemm_gguf.cpp``: linears on GGUF blocks; ``cpu_sample.cpp``: the grammar bitmask applied
-to logits), built on first use.
+to logits), built on first use. Shared by the sources: ``cpu_common.h`` (bf16 rounding, the GEMM tile
+epilogue, the AMX permission request) and ``cpu_vec.h`` (the vector layer the per-ISA loops are written once
+over: AVX-512 or AVX2, chosen at build time).
 
-:func:`cpu_kernels` compiles both sources once with ``torch.utils.cpp_extension`` into
-``$TINYVLLM_CACHE/torch_extensions`` and returns the extension module, or None if it cannot be built.
+:func:`cpu_kernels` compiles the sources once with ``torch.utils.cpp_extension`` into
+``$TINYVLLM_CACHE/torch_extensions`` (``-march=native``, or ``-march=haswell`` with
+``TINYVLLM_KERNEL_ISA=avx2``) and returns the extension module, or None if it cannot be built.
 Which attention backend uses them is decided elsewhere (:func:`tinyvllm.attention.selector.get_attn_backend`).
 """
 
@@ -24,8 +27,8 @@ _KERNEL_TRIED = False
 SOURCES = (Path(__file__).with_name("cpu_kernel.cpp"), Path(__file__).with_name("cpu_gemm.cpp"),
            Path(__file__).with_name("cpu_sample.cpp"), Path(__file__).with_name("cpu_gemm_gguf.cpp"),
            Path(__file__).with_name("cpu_gemm_amx.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_pool.h"), Path(__file__).with_name("cpu_gemm_out.h"),
-           Path(__file__).with_name("attention_int8.h"))  # included by the sources: part of the build key
+HEADERS = (Path(__file__).with_name("cpu_pool.h"), Path(__file__).with_name("cpu_common.h"),
+           Path(__file__).with_name("cpu_vec.h"), Path(__file__).with_name("attention_int8.h"))  # included by the sources: part of the build key
 
 
 _BUILT_MARKER = "tinyvllm_built"
@@ -82,47 +85,79 @@ def _build_locked(build: Path, name: str, build_it):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# Compiler flags per TINYVLLM_KERNEL_ISA. -ffp-contract=off: no fused multiply-adds but the ones the
+# kernels write (their bits are specified per instruction).
+ISA_CFLAGS = {
+    "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    # AVX2 + FMA + F16C and nothing newer (Intel Haswell; what AMD Zen 1-3 run): the kernels' AVX2
+    # paths, which an AVX-512 machine's native build never compiles, built for tests and A/B.
+    "avx2": ["-O3", "-march=haswell", "-ffp-contract=off", "-fopenmp"],
+}
+
+
+def build_cpu_kernels(isa: str = "native", src: Path | None = None):
+    """Build (or import the build of) the kernels in directory ``src`` (default: this package's) for
+    ``isa`` (a key of :data:`ISA_CFLAGS`) and return the module. Raises on a failed build (no compiler,
+    no ninja...) or an unknown ``isa`` (ValueError). The build directory is keyed by the sources and
+    headers, the flags, the CPU and the paths; a build that exists is imported directly (:func:`_load_built`).
+    ``src`` other than this package's: ``scripts/kernel_bits.py`` builds another checkout's kernels
+    (before/after a change) with the same flags."""
+    if isa not in ISA_CFLAGS:
+        raise ValueError(f"TINYVLLM_KERNEL_ISA must be one of {sorted(ISA_CFLAGS)}, got {isa!r}")
+    cflags = ISA_CFLAGS[isa]
+    here = Path(__file__).resolve().parent
+    src = Path(src).resolve() if src is not None else here
+    sources, headers = SOURCES, HEADERS
+    if src != here:  # in this package's order where the names match: the key that checkout computes itself
+        sources, headers = (tuple(src / f.name for f in own if (src / f.name).is_file())
+                            + tuple(f for f in sorted(src.glob(pat)) if f.name not in {o.name for o in own})
+                            for own, pat in ((SOURCES, "*.cpp"), (HEADERS, "*.h")))
+    # -march=native: the build is only valid on this kind of CPU, so its flags are part of the key.
+    cpu = ""
+    try:
+        cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    # The build records absolute paths (sources, the venv's torch headers): checkouts or venvs sharing
+    # one cache would otherwise overwrite each other's build and recompile (~30 s) on every switch.
+    where = f"{src}|{Path(torch.__file__).resolve().parent}"
+    tag = hashlib.sha256(b"".join(f.read_bytes() for f in sources + headers) + " ".join(cflags).encode()
+                         + cpu.encode() + where.encode()).hexdigest()[:10]
+    suffix = "" if isa == "native" else f"_{isa}"
+    build = envs.TINYVLLM_CACHE / "torch_extensions" / f"cpu_kernels{suffix}-torch{torch.__version__.split('+')[0]}-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    name = f"tinyvllm_cpu_kernels{suffix}_{tag}"
+    module = _load_built(build, name)
+    if module is not None:
+        return module
+
+    def build_it():
+        from torch.utils.cpp_extension import load  # imports setuptools: only to build
+
+        import time
+
+        t0 = time.monotonic()
+        logger.info("building CPU kernels (%s, first run, ~60-180 s) in %s ...", isa, build)
+        module = load(name=name, sources=[str(f) for f in sources], extra_cflags=cflags,
+                      extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+        logger.info("built CPU kernels in %.1fs", time.monotonic() - t0)
+        return module
+
+    return _build_locked(build, name, build_it)
+
+
 def cpu_kernels():
     """The compiled C++ kernels module, or None if it cannot be built (no compiler, no ninja...).
 
-    Built once per process; the build directory is keyed by the sources, flags, CPU and paths. A build
-    that exists is imported directly (:func:`_load_built`).
+    Built once per process for ``TINYVLLM_KERNEL_ISA`` (``native`` by default; ``avx2``: the AVX2
+    paths on any x86 CPU that has AVX2) by :func:`build_cpu_kernels`.
     """
     global _KERNEL, _KERNEL_TRIED
     if _KERNEL_TRIED:
         return _KERNEL
     _KERNEL_TRIED = True
     try:
-        cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-        # -march=native: the build is only valid on this kind of CPU, so its flags are part of the key.
-        cpu = ""
-        try:
-            cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-        except OSError:
-            pass
-        # The build records absolute paths (sources, the venv's torch headers): checkouts or venvs sharing
-        # one cache would otherwise overwrite each other's build and recompile (~30 s) on every switch.
-        where = f"{Path(__file__).resolve().parent}|{Path(torch.__file__).resolve().parent}"
-        tag = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(cflags).encode()
-                             + cpu.encode() + where.encode()).hexdigest()[:10]
-        build = envs.TINYVLLM_CACHE / "torch_extensions" / f"cpu_kernels-torch{torch.__version__.split('+')[0]}-{tag}"
-        build.mkdir(parents=True, exist_ok=True)
-        name = f"tinyvllm_cpu_kernels_{tag}"
-        _KERNEL = _load_built(build, name)
-        if _KERNEL is None:
-            def build_it():
-                from torch.utils.cpp_extension import load  # imports setuptools: only to build
-
-                import time
-
-                t0 = time.monotonic()
-                logger.info("building CPU kernels (first run, ~60-180 s) in %s ...", build)
-                module = load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=cflags,
-                            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
-                logger.info("built CPU kernels in %.1fs", time.monotonic() - t0)
-                return module
-
-            _KERNEL = _build_locked(build, name, build_it)
+        _KERNEL = build_cpu_kernels(envs.TINYVLLM_KERNEL_ISA)
     except Exception as e:  # no compiler, no ninja...
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch float64 reference backend", e)
         _KERNEL = None

@@ -10,7 +10,7 @@
 //   // gemm_pack_bf16(w), N, K. Returns [..., N] bfloat16: every element is the fp32 sum over k of
 //   // x*w (+ bias[n], added in fp32) rounded to bf16 once, round-to-nearest-even (same bits as
 //   // torch's float -> bfloat16 conversion); with out_float, [..., N] float32: the same sums, not
-//   // rounded (cpu_gemm_out.h; for the LM head's logits).
+//   // rounded (cpu_common.h; for the LM head's logits).
 //   torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t K,
 //                           c10::optional<torch::Tensor> bias, bool out_float);
 //
@@ -40,7 +40,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
-#include "cpu_gemm_out.h"
+#include "cpu_common.h"
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cstdint>
@@ -56,25 +56,19 @@
 // cpu_gemm_amx.cpp: the same GEMM on AMX tiles (TDPBF16PS), used when available and switched on.
 bool gemm_amx_active();
 void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-              int64_t Kp, tv_gemm::GemmOut out, const float* bias);
+              int64_t Kp, tv_cpu::GemmOut out, const float* bias);
 
 namespace {
 
-using tv_gemm::GemmOut;
+using tv_cpu::GemmOut;
+using tv_cpu::bf16_bits_to_f;
+using tv_cpu::ceil_div;
 
 constexpr int64_t kBlockN = 64;   // columns per packed block (4 zmm of 16 fp32 lanes)
 constexpr int kMaxRows = 6;       // rows per register tile
 constexpr int64_t kSmallM = 12;   // up to this M, split N at 16-column granularity
 constexpr int64_t kMBlockTiles = 32;  // M block (Goto "mc") for large M: 32 tiles, <= 192 rows
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline float bf16_bits_to_f(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 
 #if defined(TINYVLLM_GEMM_AVX512BF16)
@@ -124,15 +118,8 @@ void tile_kernel(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __re
 
   // Epilogue: + bias (fp32), RNE to bf16 (or float32 as it is), (masked) store.
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                       : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
-  }
+  for (int c = 0; c < C; ++c)
+    if (!tv_cpu::store_cols16(out, ldo, R, ncols, c, bias, [&](int64_t r) { return acc[r][c]; })) break;
 }
 
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, GemmOut, int64_t,

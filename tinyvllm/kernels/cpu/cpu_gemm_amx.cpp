@@ -6,9 +6,9 @@
 //   bool gemm_amx_active();   // built with AMX-BF16, the OS grants tile state, switch on
 //   // x: [M, Kp] bf16 bits (row stride ldx elements, Kp even), packed: gemm_pack_bf16's
 //   // [ceil(N/64)][Kp/2][64][2], bias: fp32 zero-padded to whole 64-column blocks or null.
-//   // out: [M, N] bf16 bits or float32 (row stride N; cpu_gemm_out.h). Same contract as gemm_avx512.
+//   // out: [M, N] bf16 bits or float32 (row stride N; cpu_common.h). Same contract as gemm_avx512.
 //   void gemm_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* packed, int64_t N,
-//                 int64_t Kp, tv_gemm::GemmOut out, const float* bias);
+//                 int64_t Kp, tv_cpu::GemmOut out, const float* bias);
 //   // Python: set_amx_gemm(bool) (default on; env TINYVLLM_AMX_GEMM=0 starts it off),
 //   //         has_amx_gemm() -> whether this build and CPU can run it (set_amx_gemm chooses).
 //
@@ -45,7 +45,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
-#include "cpu_gemm_out.h"
+#include "cpu_common.h"
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -54,15 +54,13 @@
 #include <vector>
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define TINYVLLM_GEMM_AMX 1
 #endif
 
 namespace {
 
-using tv_gemm::GemmOut;
+using tv_cpu::GemmOut;
+using tv_cpu::ceil_div;
 
 #if defined(TINYVLLM_GEMM_AMX)
 
@@ -78,27 +76,14 @@ bool g_amx_gemm = [] {
   return !(e && e[0] == '0');
 }();
 
-bool os_grants_amx() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tv_cpu::os_grants_amx;
 
 // Tiles 0-3: C (rows x 16 fp32), 4: A (rows x 32 bf16), 6-7: B (16 k-pairs x 16 columns x 2).
 // rows: 16, or M for the small-M path (a C row depends only on its own A row, so configuring fewer
 // rows drops padding work, not a bit of any real row's result).
 inline void configure_tiles(int rows = kTileRows) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = i < 5 ? rows : kTileRows;
-  _tile_loadconfig(&cfg);
+  const uint8_t r = static_cast<uint8_t>(rows), f = static_cast<uint8_t>(kTileRows);
+  tv_cpu::configure_tiles({r, r, r, r, r, f, f, f});
 }
 
 // Small-M path: the B chunk this many 32-k chunks ahead (8 x 4 KiB at 64 columns) is prefetched into L2.
@@ -107,6 +92,19 @@ constexpr int64_t kPfChunks = 8;
 // GCC's tile intrinsics are asm statements without a memory clobber: order plain loads/stores of
 // a buffer against the tile loads/stores that touch it.
 inline void compiler_barrier() { asm volatile("" ::: "memory"); }
+
+// One 32-k chunk into C tiles 0 .. NC-1: the A tile (rows of x at xa, sa bytes apart) and, per C
+// tile, its B tile of the packed block (bk: the chunk's k-pair 0, column 0), alternating B tiles 6
+// and 7 so a load overlaps the previous product.
+template <int NC>
+inline void chunk_dp(const uint16_t* xa, long sa, const uint16_t* bk) {
+  _tile_loadd(4, xa, sa);
+  _tile_loadd(6, bk, kBStride);
+  _tile_dpbf16ps(0, 4, 6);
+  if constexpr (NC > 1) { _tile_loadd(7, bk + 32, kBStride); _tile_dpbf16ps(1, 4, 7); }
+  if constexpr (NC > 2) { _tile_loadd(6, bk + 64, kBStride); _tile_dpbf16ps(2, 4, 6); }
+  if constexpr (NC > 3) { _tile_loadd(7, bk + 96, kBStride); _tile_dpbf16ps(3, 4, 7); }
+}
 
 
 // Where the A tile of row tile t is: full tiles in x itself, the last partial one (and every tile
@@ -152,12 +150,7 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
       const uint16_t* xa = a.tile(t, sa);
       for (int64_t ks = kc0; ks < kc1; ++ks) {
         const uint16_t* bk = (btail != nullptr && ks == kchunks - 1) ? btail : b + ks * kChunkPairs * kBlockN * 2;
-        _tile_loadd(4, xa + ks * 2 * kChunkPairs, sa);
-        _tile_loadd(6, bk, kBStride);
-        _tile_dpbf16ps(0, 4, 6);
-        if constexpr (NC > 1) { _tile_loadd(7, bk + 32, kBStride); _tile_dpbf16ps(1, 4, 7); }
-        if constexpr (NC > 2) { _tile_loadd(6, bk + 64, kBStride); _tile_dpbf16ps(2, 4, 6); }
-        if constexpr (NC > 3) { _tile_loadd(7, bk + 96, kBStride); _tile_dpbf16ps(3, 4, 7); }
+        chunk_dp<NC>(xa + ks * 2 * kChunkPairs, sa, bk);
       }
       float* dst = last ? &cb[0][0] : sp;
       _tile_stored(0, dst, kBlockN * 4);
@@ -168,17 +161,10 @@ void panel_amx(const ASource& a, int64_t t0, int64_t t1, int64_t M, const uint16
       if (!last) continue;
       // Epilogue: + bias (fp32), RNE to bf16 (or float32 as it is), masked store of the real rows and columns.
       const int64_t rows = std::min<int64_t>(kTileRows, M - t * kTileRows);
-      for (int c = 0; c < NC; ++c) {
-        const int64_t valid = ncols - 16 * c;
-        if (valid <= 0) break;
-        const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                           : static_cast<__mmask16>((1u << valid) - 1u);
-        const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
-        for (int64_t r = 0; r < rows; ++r) {
-          const __m512 v = _mm512_load_ps(&cb[r][16 * c]);
-          out.store16((t * kTileRows + r) * ldo + 16 * c, mask, bias ? _mm512_add_ps(v, bb) : v);
-        }
-      }
+      for (int c = 0; c < NC; ++c)
+        if (!tv_cpu::store_cols16(out.offset(t * kTileRows * ldo), ldo, rows, ncols, c, bias,
+                                  [&](int64_t r) { return _mm512_load_ps(&cb[r][16 * c]); }))
+          break;
     }
   }
 }
@@ -210,29 +196,16 @@ void panel_amx_small(const uint16_t* xa, long sa, int64_t M, const uint16_t* b, 
     const char* pf = reinterpret_cast<const char*>(b + (ks + kPfChunks) * kChunkPairs * kBlockN * 2);
     for (int r = 0; r < kChunkPairs; ++r, pf += kBStride)
       if (pf < pf_end) _mm_prefetch(pf, _MM_HINT_T1);
-    _tile_loadd(4, xa + ks * 2 * kChunkPairs, sa);
-    _tile_loadd(6, bk, kBStride);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NC > 1) { _tile_loadd(7, bk + 32, kBStride); _tile_dpbf16ps(1, 4, 7); }
-    if constexpr (NC > 2) { _tile_loadd(6, bk + 64, kBStride); _tile_dpbf16ps(2, 4, 6); }
-    if constexpr (NC > 3) { _tile_loadd(7, bk + 96, kBStride); _tile_dpbf16ps(3, 4, 7); }
+    chunk_dp<NC>(xa + ks * 2 * kChunkPairs, sa, bk);
   }
   _tile_stored(0, &cb[0][0], kBlockN * 4);
   if constexpr (NC > 1) _tile_stored(1, &cb[0][16], kBlockN * 4);
   if constexpr (NC > 2) _tile_stored(2, &cb[0][32], kBlockN * 4);
   if constexpr (NC > 3) _tile_stored(3, &cb[0][48], kBlockN * 4);
   compiler_barrier();
-  for (int c = 0; c < NC; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                       : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_loadu_ps(bias + 16 * c) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < M; ++r) {
-      const __m512 v = _mm512_load_ps(&cb[r][16 * c]);
-      out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(v, bb) : v);
-    }
-  }
+  for (int c = 0; c < NC; ++c)
+    if (!tv_cpu::store_cols16(out, ldo, M, ncols, c, bias, [&](int64_t r) { return _mm512_load_ps(&cb[r][16 * c]); }))
+      break;
 }
 
 using SmallFn = void (*)(const uint16_t*, long, int64_t, const uint16_t*, const uint16_t*, int64_t,
@@ -243,8 +216,6 @@ constexpr SmallFn kSmall[4] = {&panel_amx_small<1>, &panel_amx_small<2>, &panel_
 using PanelFn = void (*)(const ASource&, int64_t, int64_t, int64_t, const uint16_t*, const uint16_t*,
                          int64_t, float*, GemmOut, int64_t, int64_t, const float*);
 constexpr PanelFn kPanel[4] = {&panel_amx<1>, &panel_amx<2>, &panel_amx<3>, &panel_amx<4>};
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #endif  // TINYVLLM_GEMM_AMX
 

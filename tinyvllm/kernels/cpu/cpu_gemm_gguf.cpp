@@ -66,7 +66,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
-#include "cpu_gemm_out.h"
+#include "cpu_common.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -90,24 +90,17 @@
 
 namespace {
 
-using tv_gemm::GemmOut;
-using tv_gemm::f_to_bf16_bits;
+using tv_cpu::GemmOut;
+using tv_cpu::ceil_div;
+using tv_cpu::f_to_bf16_bits;
 
 constexpr int64_t kGroup = 16;   // columns per group
 constexpr int64_t kQBlock = 32;  // k per GGUF block
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline float bf16_to_f(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // Activations are bf16 (uint16_t bits) or float32, as the call's x is; outputs too, or float32 for
 // bf16 x with out_float.
-inline float act_f(uint16_t h) { return bf16_to_f(h); }
+inline float act_f(uint16_t h) { return tv_cpu::bf16_bits_to_f(h); }
 inline float act_f(float f) { return f; }
 inline void store_out(void* out, bool f32, int64_t i, float v) { GemmOut{out, f32}.store1(i, v); }
 
@@ -170,18 +163,32 @@ inline int q_at(int fmt, const uint8_t* gq, int64_t b, int c, int k) {
   return row[2 * c + (k & 1)];
 }
 
-template <typename T>
-void gemm_ref(const T* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
-              int64_t N, int64_t K, void* out, bool out_f32, const float* bias) {
+// The scalar references' loop over every output element (m, n), columns split over threads in 16s:
+// y[m, n] = elem(m, c, gq, gs) (+ bias[n]) stored rounded (or float32), where c is n's column in its
+// group and gq / gs the group's weights and scales at block 0.
+template <typename Elem>
+void ref_elements(int64_t M, int64_t N, int64_t K, const uint8_t* qs, const uint8_t* sc, int fmt, void* out,
+                  bool out_f32, const float* bias, const Elem& elem) {
   const int64_t nb = K / kQBlock;
   const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
   tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t g = n / kGroup;
       const int c = static_cast<int>(n % kGroup);
-      const uint8_t* gq = qs + g * gq_stride;
-      const uint8_t* gs = sc + g * gs_stride;
       for (int64_t m = 0; m < M; ++m) {
+        float acc = elem(m, c, qs + g * gq_stride, sc + g * gs_stride);
+        if (bias) acc += bias[n];
+        store_out(out, out_f32, m * N + n, acc);
+      }
+    }
+  });
+}
+
+template <typename T>
+void gemm_ref(const T* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt,
+              int64_t N, int64_t K, void* out, bool out_f32, const float* bias) {
+  const int64_t nb = K / kQBlock;
+  ref_elements(M, N, K, qs, sc, fmt, out, out_f32, bias, [&](int64_t m, int c, const uint8_t* gq, const uint8_t* gs) {
         const T* xr = x + m * ldx;
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -199,16 +206,11 @@ void gemm_ref(const T* x, int64_t ldx, int64_t M, const uint8_t* qs, const uint8
           acc = std::fma(p, scale_at(fmt, gs, b, 0, c), acc);
           if (fmt_min(fmt)) acc = std::fma(block_sum_scalar(xr + b * 32), scale_at(fmt, gs, b, 1, c), acc);
         }
-        if (bias) acc += bias[n];
-        store_out(out, out_f32, m * N + n, acc);
-      }
-    }
+        return acc;
   });
 }
 
 #if defined(TINYVLLM_QGEMM_AVX512)
-
-using tv_gemm::cvt_f32_bf16_rne;
 
 // 32 words: bf16 of (i & 15) (vpermw reads 5 index bits; the upper half repeats the lower).
 inline __m512i nibble_table() {
@@ -267,14 +269,66 @@ inline __m512i load_hi2(const uint8_t* gq, int64_t b, int j) {
 template <int R, int C>
 inline void store_tile(__m512 (&acc)[R][C], GemmOut out, int64_t ldo, int64_t ncols, const float* bias) {
 #pragma GCC unroll 4
-  for (int c = 0; c < C; ++c) {
-    const int64_t valid = ncols - 16 * c;
-    if (valid <= 0) break;
-    const __mmask16 mask = valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-    const __m512 bb = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * c) : _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c)
+    if (!tv_cpu::store_cols16(out, ldo, R, ncols, c, bias, [&](int64_t r) { return acc[r][c]; })) break;
+}
+
+// The steps qtile and qtile_scratch (and the q8 tiles below) share. Zero an R x C tile of vectors.
+template <int R, int C, typename V>
+inline void zero_tile(V (&a)[R][C]) {
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) out.store16(r * ldo + 16 * c, mask, bias ? _mm512_add_ps(acc[r][c], bb) : acc[r][c]);
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) a[r][c] = V{};
+}
+
+// xr[r] = row r of x (rows ldx elements apart).
+template <int R>
+inline void row_ptrs(const uint16_t* x, int64_t ldx, const uint16_t* (&xr)[R]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) xr[r] = x + r * ldx;
+}
+
+// p[r][c] = dpbf16(p[r][c], x[r] k-pair at k, bv[c]) for the tile's R rows (xr[r]: row r of x).
+template <int R, int C>
+inline void dot_pair(__m512 (&p)[R][C], const uint16_t* const* xr, int64_t k, const __m512i* bv) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    int32_t pair;
+    std::memcpy(&pair, xr[r] + k, sizeof(pair));
+    const __m512i xv = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
   }
+}
+
+// Fold the partials of a block (or Q6_K sub-block) into the accumulators: acc = fma(p, d, acc), then
+// for a block minimum (kMin: Q4, Q4_K) acc = fma(sum(x)_b, m, acc); p = 0 where kReset (Q6_K's first
+// half). dv[c], mv[c]: group c's scales d and m as fp32 lanes; xs: [R][nb] block sums.
+template <int R, int C, bool kMin, bool kReset>
+inline void fold_tile(__m512 (&acc)[R][C], __m512 (&p)[R][C], const __m512* dv, const __m512* mv, const float* xs,
+                      int64_t nb, int64_t b) {
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      acc[r][c] = _mm512_fmadd_ps(p[r][c], dv[c], acc[r][c]);
+      if constexpr (kMin) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv[c], acc[r][c]);
+      if constexpr (kReset) p[r][c] = _mm512_setzero_ps();
+    }
+}
+
+// Nibble chunk j (32 bytes) of block b as 32 words (qb: bytes per block in the qs layout).
+inline __m512i load_nibble_words(const uint8_t* gq, int64_t qb, int64_t b, int j) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq + b * qb + j * 32)));
+}
+
+// Q8_0: k-pair kp of block b (32 int8: 16 columns x 2) as 32 bf16 words, words 0..15 from bytes 0..15.
+inline __m512i q8_pair_words(const uint8_t* gq, int64_t b, int kp) {
+  const int8_t* row = reinterpret_cast<const int8_t*>(gq + b * 512 + kp * 32);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
 }
 
 // R rows x C groups tile. gq[c]/gs[c]: group c's qs/scales at block 0. xs: [R][nb] block sums (Q4, Q4_K).
@@ -285,28 +339,20 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
   constexpr int64_t qb = FMT == 0 ? 512 : FMT == 3 ? 384 : 256;
   __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
   if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
-  __m512 acc[R][C];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const uint16_t* xr[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xr[r] = x + r * ldx;
-
+  row_ptrs(x, ldx, xr);
+  __m512 acc[R][C], dv[C], mv[C];
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512 p[R][C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
+    zero_tile(p);
     if constexpr (fmt_nib(FMT)) {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         __m512i w[C], h[C];
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
-          w[c] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[c] + b * qb + j * 32)));
+          w[c] = load_nibble_words(gq[c], qb, b, j);
           h[c] = fmt_hi2(FMT) ? load_hi2(gq[c], b, j) : w[c];
         }
 #pragma GCC unroll 2
@@ -314,26 +360,12 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
           __m512i bv[C];
 #pragma GCC unroll 4
           for (int c = 0; c < C; ++c) bv[c] = decode_pair<FMT>(w[c], h[c], half, table, t6lo, t6hi);
-          const int64_t k = b * 32 + 4 * j + 2 * half;
-#pragma GCC unroll 4
-          for (int r = 0; r < R; ++r) {
-            int32_t pair;
-            std::memcpy(&pair, xr[r] + k, sizeof(pair));
-            const __m512i xv = _mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-            for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
-          }
+          dot_pair<R, C>(p, xr, b * 32 + 4 * j + 2 * half, bv);
           if constexpr (fmt_halves(FMT)) {
             if (half == 1 && j % 4 == 3) {  // Q6_K: k-pair 2j+1 = 7 or 15 ends a 16-weight sub-block
 #pragma GCC unroll 4
-              for (int c = 0; c < C; ++c) {
-                const __m512 dv = load_scales<FMT>(gs[c], b, j / 4);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; ++r) {
-                  acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-                  p[r][c] = _mm512_setzero_ps();
-                }
-              }
+              for (int c = 0; c < C; ++c) dv[c] = load_scales<FMT>(gs[c], b, j / 4);
+              fold_tile<R, C, false, true>(acc, p, dv, mv, xs, nb, b);
             }
           }
         }
@@ -343,36 +375,18 @@ void qtile(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs
       for (int kp = 0; kp < 16; ++kp) {
         __m512i bv[C];
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const int8_t* row = reinterpret_cast<const int8_t*>(gq[c] + b * 512 + kp * 32);
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-          bv[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0..15 from lo, 16..31 from hi
-        }
-        const int64_t k = b * 32 + 2 * kp;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, xr[r] + k, sizeof(pair));
-          const __m512i xv = _mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
-        }
+        for (int c = 0; c < C; ++c) bv[c] = q8_pair_words(gq[c], b, kp);
+        dot_pair<R, C>(p, xr, b * 32 + 2 * kp, bv);
       }
     }
     if constexpr (!fmt_halves(FMT)) {
       // Fold the block: acc = fma(p, d, acc) (Q4, Q4_K: then acc = fma(sum(x)_b, m, acc)).
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512 dv = load_scales<FMT>(gs[c], b, 0);
-        __m512 mv = _mm512_setzero_ps();
-        if constexpr (fmt_min(FMT)) mv = load_scales<FMT>(gs[c], b, 1);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-          if constexpr (fmt_min(FMT)) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), mv, acc[r][c]);
-        }
+        dv[c] = load_scales<FMT>(gs[c], b, 0);
+        if constexpr (fmt_min(FMT)) mv[c] = load_scales<FMT>(gs[c], b, 1);
       }
+      fold_tile<R, C, fmt_min(FMT), false>(acc, p, dv, mv, xs, nb, b);
     }
   }
   store_tile<R, C>(acc, out, ldo, ncols, bias);
@@ -405,60 +419,35 @@ template <int R, int C, int FMT>
 void qtile_scratch(const uint16_t* __restrict x, int64_t ldx, const float* __restrict xs, int64_t nb,
                    const uint16_t* __restrict sw, const float* __restrict sf, GemmOut out,
                    int64_t ldo, int64_t ncols, const float* __restrict bias) {
-  __m512 acc[R][C];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   const uint16_t* xr[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) xr[r] = x + r * ldx;
+  row_ptrs(x, ldx, xr);
+  __m512 acc[R][C], dv[C], mv[C];
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
-    __m512 p[R][C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_ps();
     const uint16_t* wb = sw + b * 16 * C * 32;
+    __m512 p[R][C];
+    zero_tile(p);
 #pragma GCC unroll 16
     for (int kp = 0; kp < 16; ++kp) {
       __m512i bv[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) bv[c] = _mm512_load_si512(reinterpret_cast<const void*>(wb + (kp * C + c) * 32));
-      const int64_t k = b * 32 + 2 * kp;
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, xr[r] + k, sizeof(pair));
-        const __m512i xv = _mm512_set1_epi32(pair);
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbf16_ps(p[r][c], (__m512bh)xv, (__m512bh)bv[c]);
-      }
+      dot_pair<R, C>(p, xr, b * 32 + 2 * kp, bv);
       if constexpr (fmt_halves(FMT)) {
         if (kp % 8 == 7) {
 #pragma GCC unroll 4
-          for (int c = 0; c < C; ++c) {
-            const __m512 dv = _mm512_load_ps(sf + (b * C + c) * 32 + 16 * (kp / 8));
-#pragma GCC unroll 4
-            for (int r = 0; r < R; ++r) {
-              acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-              p[r][c] = _mm512_setzero_ps();
-            }
-          }
+          for (int c = 0; c < C; ++c) dv[c] = _mm512_load_ps(sf + (b * C + c) * 32 + 16 * (kp / 8));
+          fold_tile<R, C, false, true>(acc, p, dv, mv, xs, nb, b);
         }
       }
     }
     if constexpr (!fmt_halves(FMT)) {
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const float* bs = sf + (b * C + c) * 32;
-        const __m512 dv = _mm512_load_ps(bs);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = _mm512_fmadd_ps(p[r][c], dv, acc[r][c]);
-          if constexpr (fmt_min(FMT)) acc[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * nb + b]), _mm512_load_ps(bs + 16), acc[r][c]);
-        }
+        dv[c] = _mm512_load_ps(sf + (b * C + c) * 32);
+        mv[c] = _mm512_load_ps(sf + (b * C + c) * 32 + 16);
       }
+      fold_tile<R, C, fmt_min(FMT), false>(acc, p, dv, mv, xs, nb, b);
     }
   }
   store_tile<R, C>(acc, out, ldo, ncols, bias);
@@ -485,18 +474,14 @@ void convert_panel(const uint8_t* const* gq, const uint8_t* const* gs, int c, in
         __m512i t6lo = _mm512_setzero_si512(), t6hi = _mm512_setzero_si512();
         if constexpr (fmt_hi2(FMT)) { t6lo = q6_table(0); t6hi = q6_table(1); }
         for (int j = 0; j < 8; ++j) {
-          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gq[i] + b * qb + j * 32)));
+          const __m512i w = load_nibble_words(gq[i], qb, b, j);
           const __m512i h = fmt_hi2(FMT) ? load_hi2(gq[i], b, j) : w;
           _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j) * C + i) * 32), decode_pair<FMT>(w, h, 0, table, t6lo, t6hi));
           _mm512_store_si512(reinterpret_cast<void*>(wb + ((2 * j + 1) * C + i) * 32), decode_pair<FMT>(w, h, 1, table, t6lo, t6hi));
         }
       } else {
-        for (int kp = 0; kp < 16; ++kp) {
-          const int8_t* row = reinterpret_cast<const int8_t*>(gq[i] + b * 512 + kp * 32);
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-          _mm512_store_si512(reinterpret_cast<void*>(wb + (kp * C + i) * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        for (int kp = 0; kp < 16; ++kp)
+          _mm512_store_si512(reinterpret_cast<void*>(wb + (kp * C + i) * 32), q8_pair_words(gq[i], b, kp));
       }
     }
   }
@@ -959,14 +944,7 @@ inline int xq_at(int fmt, const int8_t* xqr, int64_t b, int k) {
 void gemm_q8_ref(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc, int fmt, int64_t N, int64_t K,
                  void* out, bool out_f32, const float* bias) {
   const int64_t nb = K / kQBlock;
-  const int64_t gq_stride = nb * qs_block_bytes(fmt), gs_stride = nb * sc_group_block_bytes(fmt);
-  tv_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t g = n / kGroup;
-      const int c = static_cast<int>(n % kGroup);
-      const uint8_t* gq = qs + g * gq_stride;
-      const uint8_t* gs = sc + g * gs_stride;
-      for (int64_t m = 0; m < M; ++m) {
+  ref_elements(M, N, K, qs, sc, fmt, out, out_f32, bias, [&](int64_t m, int c, const uint8_t* gq, const uint8_t* gs) {
         const int8_t* xqr = a.xq.data() + m * K;
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
@@ -976,10 +954,7 @@ void gemm_q8_ref(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_t* sc
           acc = std::fma(static_cast<float>(isum), s, acc);
           if (fmt_min(fmt)) acc = std::fma(a.xs[m * nb + b], scale_at(fmt, gs, b, 1, c), acc);
         }
-        if (bias) acc += bias[n];
-        store_out(out, out_f32, m * N + n, acc);
-      }
-    }
+        return acc;
   });
 }
 
@@ -1064,6 +1039,20 @@ inline void q8_fold(__m512i (&p)[R][C], __m512 (&acc)[R][C], const __m512* dv, c
   }
 }
 
+// p[r][c] += the int8 dot products of the 4 activation bytes of row r at k-offset `off` (rows K apart)
+// with w[c] (VPDPBUSD: integer sums, exact in any order).
+template <int R, int C>
+inline void dot_quad(__m512i (&p)[R][C], const int8_t* xq, int64_t K, int64_t off, const __m512i* w) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    int32_t xd;
+    std::memcpy(&xd, xq + r * K + off, sizeof(xd));
+    const __m512i xv = _mm512_set1_epi32(xd);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbusd_epi32(p[r][c], w[c], xv);
+  }
+}
+
 // R rows x C groups, weights decoded in registers (small M). xq rows are K bytes apart; dx/xs/xc
 // rows nb apart.
 template <int R, int C, int FMT>
@@ -1072,32 +1061,17 @@ void q8tile(const int8_t* __restrict xq, int64_t K, const float* __restrict dx, 
             GemmOut out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
   const __m512i idx = q8_pair_index();
   __m512 acc[R][C];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i p[R][C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_si512();
+    zero_tile(p);
 #pragma GCC unroll 4
     for (int t2 = 0; t2 < 4; ++t2) {
       __m512i w0[C], w1[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) q8_weights<FMT>(gq[c], b, t2, idx, &w0[c], &w1[c]);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t xd[2];
-        std::memcpy(xd, xq + r * K + b * 32 + 8 * t2, sizeof(xd));
-        const __m512i x0 = _mm512_set1_epi32(xd[0]), x1 = _mm512_set1_epi32(xd[1]);
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          p[r][c] = _mm512_dpbusd_epi32(p[r][c], w0[c], x0);
-          p[r][c] = _mm512_dpbusd_epi32(p[r][c], w1[c], x1);
-        }
-      }
+      dot_quad<R, C>(p, xq, K, b * 32 + 8 * t2, w0);
+      dot_quad<R, C>(p, xq, K, b * 32 + 8 * t2 + 4, w1);
     }
     __m512 dv[C], mv[C];
 #pragma GCC unroll 4
@@ -1118,30 +1092,17 @@ void q8tile_scratch(const int8_t* __restrict xq, int64_t K, const float* __restr
                     const int32_t* __restrict xc, int64_t nb, const uint8_t* __restrict sw, const float* __restrict sf,
                     GemmOut out, int64_t ldo, int64_t ncols, const float* __restrict bias) {
   __m512 acc[R][C];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i p[R][C];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) p[r][c] = _mm512_setzero_si512();
+    zero_tile(p);
     const uint8_t* wb = sw + b * 8 * C * 64;
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
       __m512i w[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(reinterpret_cast<const void*>(wb + (t * C + c) * 64));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        int32_t xd;
-        std::memcpy(&xd, xq + r * K + b * 32 + 4 * t, sizeof(xd));
-        const __m512i xv = _mm512_set1_epi32(xd);
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) p[r][c] = _mm512_dpbusd_epi32(p[r][c], w[c], xv);
-      }
+      dot_quad<R, C>(p, xq, K, b * 32 + 4 * t, w);
     }
     __m512 dv[C], mv[C];
 #pragma GCC unroll 4

@@ -8,15 +8,18 @@
 // cache (batch invariance). Two passes over the context: scores, then max / exp / sum and
 // the weighted sum of V in position order.
 //
-// Three implementations: AVX-512 (attention_avx512, silu's vector body; chosen when the
-// compiler targets AVX-512 and the head size is 16/32/64/96/128), AVX2 + FMA where AVX-512 is
-// missing (attention_avx2 and the same vector bodies on 8 lanes) and portable scalar loops
-// (attention_scalar; also what set_vector_kernels(false) selects, for tests). Attention and SiLU
-// differ in the last bits between the vector and scalar paths (RMSNorm's are identical), but each
-// is batch invariant on its own.
+// Implementations: the vector kernels, written once over cpu_vec.h's vector type (attention_row,
+// RMSNorm's and SiLU's vector bodies; VecF = Vec16f when the compiler targets AVX-512, Vec8f on
+// AVX2 + FMA; attention_row for head sizes 16/32/64/96/128), the tiled attention over a bf16 or
+// quantized cache (AVX512_BF16, optionally AMX; its bf16 dot products have no AVX2 form) and portable
+// scalar loops (attention_scalar; also what set_vector_kernels(false) selects, for tests). Attention
+// and SiLU differ in the last bits between the vector and scalar paths, and between the AVX-512 and
+// AVX2 builds (RMSNorm's are identical everywhere), but each is batch invariant on its own.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "cpu_pool.h"
+#include "cpu_common.h"
+#include "cpu_vec.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <cmath>
@@ -29,12 +32,19 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#if defined(__AVX512F__)
+// The vector kernels' ISA, picked at build time (-march): AVX-512 (VecF = Vec16f) or AVX2 + FMA
+// (VecF = Vec8f); TINYVLLM_VEC when either. Only the AVX-512 build has the tiled attention.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define TINYVLLM_AVX512 1
+#define TINYVLLM_VEC 1
+using VecF = tv_vec::Vec16f;
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TINYVLLM_AVX2 1
+#define TINYVLLM_VEC 1
+using VecF = tv_vec::Vec8f;
 #endif
 
 namespace {
@@ -269,7 +279,7 @@ void attention_scalar_q(const torch::Tensor& q, const torch::Tensor& key_cache, 
   });
 }
 
-// Work tiles of the vector row kernels (attention_avx512, attention_avx2): runs of up to max_rows
+// Work tiles of the vector row kernels (attention_row): runs of up to max_rows
 // tokens of one sequence at consecutive positions. Returns each tile's first token, then num_tokens.
 inline std::vector<int64_t> query_tiles(const int64_t* seqp, const int64_t* posp, int64_t num_tokens,
                                         int64_t max_rows) {
@@ -284,111 +294,40 @@ inline std::vector<int64_t> query_tiles(const int64_t* seqp, const int64_t* posp
   return tile_start;
 }
 
-#if defined(TINYVLLM_AVX512)
+#if defined(TINYVLLM_VEC)
 // ---------------------------------------------------------------------------------------------
-// AVX-512 paged attention. Same algorithm and the same per-row guarantee as attention_scalar
-// (each query row's result is a fixed sequence of operations over its own context, so it does
-// not depend on the batch, chunking or prefix-cache hits), but vectorised:
+// Vector paged attention (the row kernel), written once over the build's vector type VecF (cpu_vec.h:
+// Vec16f on AVX-512, Vec8f on AVX2 + FMA; L = its lanes). Same algorithm and the same per-row
+// guarantee as attention_scalar (each query row's result is a fixed sequence of operations over its
+// own context, so it does not depend on the batch, chunking or prefix-cache hits), but vectorised:
 //  * a work item is (tile of up to kTileRows consecutive query rows of one sequence, KV head);
 //    each K/V row is converted to float32 once per item and reused by every query row of the
 //    tile and every query head of the GQA group (the rows never mix: only the loads are shared);
-//  * scores for 16 positions come from 16 per-position lane vectors (q*k, D/16 FMAs each) folded
-//    by one fixed transpose-and-add network (hsum16), instead of 16 separate horizontal sums;
+//  * scores for L positions come from L per-position lane vectors (q*k, D/L FMAs each) folded
+//    by one fixed add network (VecF::hsum_lanes), instead of L separate horizontal sums;
 //  * softmax uses a vectorised polynomial exp; P*V accumulates in position order with FMAs.
+// Not the scalar loop's sequence (FMAs, another exp, L lanes), so its bits differ from the scalar
+// path's, and the AVX-512 and AVX2 builds' bits differ from each other (lane count, add trees).
 
 constexpr int kTileRows = 8;
 constexpr int kMaxGroup = 16;  // query heads per KV head handled by the vector kernel
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Round 16 floats to bfloat16 with round-to-nearest-even (c10::BFloat16's rule, NaN aside).
-inline __m256i to_bf16_bits(__m512 x) {
-  const __m512i b = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  // NaN -> 0x7FC0 (c10's quiet NaN); rounding could otherwise turn a NaN into Inf or -0.
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(x));
-}
-inline __m512 round16(float*, __m512 x) { return x; }
-inline __m512 round16(c10::BFloat16*, __m512 x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(x)), 16));
-}
-
-// out[i] = sum of the 16 lanes of v[i], for i = 0..15, by a fixed add tree:
-// lanes {l, l+2} then {l, l+1} within each 128-bit group, then across groups (0+1, 2+3, then pairs).
-inline __m512 hsum16(const __m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Fixed-order sum of the 16 lanes of one vector (pairwise halves).
-inline float hsum(__m512 v) {
-  alignas(64) float l[16];
-  _mm512_store_ps(l, v);
-  for (int w = 8; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) l[i] += l[i + w];
-  return l[0];
-}
-
-// exp(x) lane-wise for x in [-87.3, 88.3] (clamped): Cephes range reduction x = n ln2 + r and a
-// degree-6 polynomial (the scalar exp_nonpos's coefficients), ~2 ulp.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3f)), _mm512_set1_ps(-87.3f));
-  const __m512 fx = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  const __m512 z = _mm512_mul_ps(r, r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, r), _mm512_set1_ps(1.0f));
-  // 2^n by building the exponent field: n in [-126, 127] for the clamped range.
-  const __m512i n = _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-}
-
-// Partial dot products of one query with one context row: 16 lanes whose sum is q . k (float32 FMAs;
+// Partial dot products of one query with one context row: L lanes whose sum is q . k (float32 FMAs;
 // a bf16 cache on a CPU with AVX512_BF16 goes to attention_tiled instead).
-template <typename C, int ND>
+template <typename V, typename C, int D>
 struct QueryRow {
-  __m512 q[ND];
+  static constexpr int L = V::kLanes, ND = D / L;
+  V q[ND];
   void load(const float* p) {
-    for (int v = 0; v < ND; ++v) q[v] = _mm512_loadu_ps(p + v * 16);
+    for (int v = 0; v < ND; ++v) q[v] = V::load(p + v * L);
   }
-  __m512 dot(const C* row) const {
-    __m512 a = _mm512_mul_ps(q[0], load16(row));
-    for (int v = 1; v < ND; ++v) a = _mm512_fmadd_ps(q[v], load16(row + v * 16), a);
+  V dot(const C* row) const {
+    V a = q[0] * V::load(row);
+    for (int v = 1; v < ND; ++v) a = fmadd(q[v], V::load(row + v * L), a);
     return a;
   }
 };
 
-
-// sum_j probs[h][j] * V[j] for j = 0..n-1 in position order, for NH heads sharing one KV head;
-// each V row is converted once. res: [NH, D] float32.
 // Prefetch into the caches the cache slot's rows of all KV heads (Hk * D elements, contiguous).
 template <typename C>
 inline void prefetch_slot(const C* base, int64_t slot, int64_t row_elems) {
@@ -396,14 +335,16 @@ inline void prefetch_slot(const C* base, int64_t slot, int64_t row_elems) {
   for (int64_t b = 0; b < row_elems * static_cast<int64_t>(sizeof(C)); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-template <typename C, int ND, int NH>
+// sum_j probs[h][j] * V[j] for j = j_lo..n-1 in position order, for NH heads sharing one KV head;
+// each V row is converted once. res: [NH, D] float32.
+template <typename V, typename C, int D, int NH>
 inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
                           int64_t hk, int64_t n, float* res, bool prefetch, int64_t j_lo = 0) {
-  constexpr int D = ND * 16;
+  constexpr int L = V::kLanes, ND = D / L;
   constexpr int64_t kAhead = 16;  // positions
-  __m512 acc[NH][ND];
+  V acc[NH][ND];
   for (int h = 0; h < NH; ++h)
-    for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_setzero_ps();
+    for (int v = 0; v < ND; ++v) acc[h][v] = V::zero();
   int64_t blk = j_lo / bs, off = j_lo % bs;
   int64_t pblk = (j_lo + kAhead) / bs, poff = (j_lo + kAhead) % bs;
   for (int64_t j = j_lo; j < n; ++j) {
@@ -413,22 +354,22 @@ inline void pv_accumulate(const float* const* probs, const C* vp, const int64_t*
       prefetch_slot(vp, bt[pblk] * bs + poff, Hk * D);
       if (++poff == bs) poff = 0, ++pblk;
     }
-    __m512 vv[ND];
-    for (int v = 0; v < ND; ++v) vv[v] = load16(row + v * 16);
+    V vv[ND];
+    for (int v = 0; v < ND; ++v) vv[v] = V::load(row + v * L);
     for (int h = 0; h < NH; ++h) {
-      const __m512 pj = _mm512_set1_ps(probs[h][j]);
-      for (int v = 0; v < ND; ++v) acc[h][v] = _mm512_fmadd_ps(pj, vv[v], acc[h][v]);
+      const V pj = V::set1(probs[h][j]);
+      for (int v = 0; v < ND; ++v) acc[h][v] = fmadd(pj, vv[v], acc[h][v]);
     }
   }
   for (int h = 0; h < NH; ++h)
-    for (int v = 0; v < ND; ++v) _mm512_store_ps(res + h * D + v * 16, acc[h][v]);
+    for (int v = 0; v < ND; ++v) acc[h][v].store_aligned(res + h * D + v * L);
 }
 
-template <typename C, typename O, int ND>
-void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                      const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                      const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
-  constexpr int D = ND * 16;
+template <typename V, typename C, typename O, int D>
+void attention_row(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                   const torch::Tensor& block_tables, const torch::Tensor& token_seq,
+                   const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
+  constexpr int L = V::kLanes, ND = D / L;
   const int64_t num_tokens = q.size(0), Hq = q.size(1);
   const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk;
@@ -440,7 +381,7 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
   const int64_t* seqp = token_seq.data_ptr<int64_t>();
   const int64_t* posp = token_pos.data_ptr<int64_t>();
   O* op = out.data_ptr<O>();
-  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  const V vscale = V::set1(static_cast<float>(scale));
   alignas(64) static const C zero_row[D] = {};
 
   const std::vector<int64_t> tile_start = query_tiles(seqp, posp, num_tokens, kTileRows);
@@ -453,8 +394,8 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
       const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
       const int64_t* bt = btp + seqp[t0] * max_blocks;
       const int64_t ctx_max = posp[t0 + rows - 1] + 1;
-      const int64_t nchunks = (ctx_max + 15) / 16;
-      const int64_t stride = nchunks * 16;
+      const int64_t nchunks = (ctx_max + L - 1) / L;
+      const int64_t stride = nchunks * L;
       const int64_t pairs = rows * G;
       scores.resize(pairs * stride);
       int64_t ctx[kTileRows * kMaxGroup], lo[kTileRows * kMaxGroup];  // lo: first key (sliding window)
@@ -464,23 +405,20 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
         lo[p] = window > 0 ? std::max<int64_t>(0, ctx[p] - window) : 0;
         qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
       }
-      // Cache rows of context positions j0..j0+15 (a zero row past the context), via the block table.
-      const C* krow[16];
-      const C* vrow[16];
+      // K rows of context positions j0..j0+L-1 (a zero row past the context), via the block table.
+      const C* krow[L];
       auto rows_of = [&](int64_t j0) {
         int64_t blk = j0 / bs, off = j0 % bs;
-        for (int64_t jj = 0; jj < 16; ++jj) {
+        for (int64_t jj = 0; jj < L; ++jj) {
           if (j0 + jj < ctx_max) {
-            const int64_t e = ((bt[blk] * bs + off) * Hk + hk) * D;
-            krow[jj] = kp + e;
-            vrow[jj] = vp + e;
+            krow[jj] = kp + ((bt[blk] * bs + off) * Hk + hk) * D;
             if (++off == bs) off = 0, ++blk;
           } else {
-            krow[jj] = vrow[jj] = zero_row;
+            krow[jj] = zero_row;
           }
         }
       };
-      // Pass 1: scores = (q . k) * scale, 16 positions at a time, per (row, head) pair.
+      // Pass 1: scores = (q . k) * scale, L positions at a time, per (row, head) pair.
       // Software prefetch (the block table scatters the context, so the hardware prefetcher restarts
       // at every block): the first KV head's item fetches the next 16 positions' rows of all heads,
       // which the other heads' items then find in cache.
@@ -492,18 +430,18 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
           if (++off == bs) off = 0, ++blk;
         }
       };
-      if (prefetch) prefetch_chunk(kp, lo[0] / 16 * 16);
-      for (int64_t c = lo[0] / 16; c < nchunks; ++c) {
-        const int64_t j0 = c * 16;
+      if (prefetch) prefetch_chunk(kp, lo[0] / L * L);
+      for (int64_t c = lo[0] / L; c < nchunks; ++c) {
+        const int64_t j0 = c * L;
         rows_of(j0);
-        if (prefetch) prefetch_chunk(kp, j0 + 16);
+        if (prefetch && j0 % 16 == 0) prefetch_chunk(kp, j0 + 16);
         for (int64_t p = 0; p < pairs; ++p) {
-          if (ctx[p] <= j0 || lo[p] >= j0 + 16) continue;
-          QueryRow<C, ND> qr;
+          if (ctx[p] <= j0 || lo[p] >= j0 + L) continue;
+          QueryRow<V, C, D> qr;
           qr.load(qrow[p]);
-          __m512 part[16];
-          for (int jj = 0; jj < 16; ++jj) part[jj] = qr.dot(krow[jj]);
-          _mm512_storeu_ps(scores.data() + p * stride + j0, _mm512_mul_ps(hsum16(part), vscale));
+          V part[L];
+          for (int jj = 0; jj < L; ++jj) part[jj] = qr.dot(krow[jj]);
+          (V::hsum_lanes(part) * vscale).store(scores.data() + p * stride + j0);
         }
       }
       // Softmax per pair: max, exp, fixed-order sum; probabilities overwrite the scores.
@@ -511,24 +449,27 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
       for (int64_t p = 0; p < pairs; ++p) {
         float* s = scores.data() + p * stride;
         const int64_t n = ctx[p];
-        const int64_t full = n / 16, tail = n % 16;
-        const __mmask16 tmask = static_cast<__mmask16>((1u << tail) - 1u);
+        const int64_t full = n / L, tail = n % L;
+        const typename V::Mask tmask = V::first(tail);
         // Sliding window: chunks before c_lo are skipped, positions before lo in chunk c_lo masked.
-        const int64_t c_lo = lo[p] / 16;
-        const __mmask16 hmask = static_cast<__mmask16>(0xFFFFu << (lo[p] % 16));
-        __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t c = c_lo; c < full; ++c) mv = _mm512_mask_max_ps(mv, c == c_lo ? hmask : 0xFFFF, mv, _mm512_loadu_ps(s + c * 16));
-        if (tail) mv = _mm512_mask_max_ps(mv, tmask & (full == c_lo ? hmask : 0xFFFF), mv, _mm512_loadu_ps(s + full * 16));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t c = c_lo; c < full + (tail ? 1 : 0); ++c) {
-          __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + c * 16), m));
-          if (c == full) e = _mm512_maskz_mov_ps(tmask, e);
-          if (c == c_lo) e = _mm512_maskz_mov_ps(hmask, e);
-          _mm512_storeu_ps(s + c * 16, e);
-          sum = _mm512_add_ps(sum, e);
+        const int64_t c_lo = lo[p] / L;
+        const typename V::Mask hmask = V::from(lo[p] % L);
+        V mv = V::set1(-std::numeric_limits<float>::infinity());
+        for (int64_t c = c_lo; c < full; ++c) {
+          const V x = V::load(s + c * L);
+          mv = c == c_lo ? max_masked(mv, x, hmask) : max(mv, x);
         }
-        inv[p] = 1.0f / hsum(sum);
+        if (tail) mv = max_masked(mv, V::load(s + full * L), full == c_lo ? V::both(tmask, hmask) : tmask);
+        const V m = V::set1(mv.hmax());
+        V sum = V::zero();
+        for (int64_t c = c_lo; c < full + (tail ? 1 : 0); ++c) {
+          V e = tv_vec::exp(V::load(s + c * L) - m);
+          if (c == full) e = e.keep(tmask);
+          if (c == c_lo) e = e.keep(hmask);
+          e.store(s + c * L);
+          sum = sum + e;
+        }
+        inv[p] = 1.0f / tv_vec::hsum(sum);
       }
       // Pass 2: weighted sum of V in position order, per row, up to 4 heads of the GQA group at a
       // time sharing each converted V row.
@@ -537,32 +478,36 @@ void attention_avx512(const torch::Tensor& q, const torch::Tensor& key_cache, co
         for (int64_t h0 = 0; h0 < G; h0 += 4) {
           const int nh = static_cast<int>(std::min<int64_t>(4, G - h0));
           const float* probs[4];
-          float* outs[4];
-          __m512 iv[4];
-          for (int i = 0; i < nh; ++i) {
-            const int64_t p = r * G + h0 + i;
-            probs[i] = scores.data() + p * stride;
-            iv[i] = _mm512_set1_ps(inv[p]);
-          }
+          for (int i = 0; i < nh; ++i) probs[i] = scores.data() + (r * G + h0 + i) * stride;
           alignas(64) float res[4 * D];
           const bool pf = prefetch && r == 0 && h0 == 0;
           const int64_t jl = lo[r * G];
           if (pf) prefetch_chunk(vp, jl);
           switch (nh) {
-            case 1: pv_accumulate<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
-            case 2: pv_accumulate<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
-            case 3: pv_accumulate<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
-            default: pv_accumulate<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            case 1: pv_accumulate<V, C, D, 1>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            case 2: pv_accumulate<V, C, D, 2>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            case 3: pv_accumulate<V, C, D, 3>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
+            default: pv_accumulate<V, C, D, 4>(probs, vp, bt, bs, Hk, hk, n, res, pf, jl); break;
           }
           for (int i = 0; i < nh; ++i) {
+            const V iv = V::set1(inv[r * G + h0 + i]);
             O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
-            for (int v = 0; v < ND; ++v) store16(orow + v * 16, _mm512_mul_ps(_mm512_load_ps(res + i * D + v * 16), iv[i]));
+            for (int v = 0; v < ND; ++v) (V::load(res + i * D + v * L) * iv).store(orow + v * L);
           }
         }
       }
     }
   });
 }
+#endif  // TINYVLLM_VEC
+
+#if defined(TINYVLLM_AVX512)
+// The AVX-512 forms of VecF's operations that the tiled attention below calls on __m512 directly.
+template <typename T>
+inline __m512 load16(const T* p) { return tv_vec::Vec16f::load(p).v; }
+template <typename T>
+inline void store16(T* p, __m512 x) { tv_vec::Vec16f{x}.store(p); }
+inline float hsum(__m512 v) { return tv_vec::hsum(tv_vec::Vec16f{v}); }
 
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------------------------
@@ -721,7 +666,7 @@ struct PairState {
 // 2^x lane-wise for finite x (denormal or 0 below -126; x <= 0 where the softmax calls it):
 // x = n + f with n = floor(x) and f = x - n in [0, 1) in one VREDUCEPS, 2^f by a degree-4 polynomial fitted for relative error on [0, 1) (max 2.6e-6, far below the bf16
 // rounding of P, 2^-9), times 2^n by VSCALEFPS (which takes floor(x) itself). Seven instructions
-// with the caller's fmsub (Cephes-style range reduction, as in exp16, without its clamp and round).
+// with the caller's fmsub (Cephes-style range reduction, as in cpu_vec.h's exp, without its clamp and round).
 inline __m512 exp2_fast16(__m512 x) {
   const __m512 f = _mm512_reduce_ps(x, 0x09);  // imm: 0 fraction bits kept, round down, no exceptions
   __m512 y = _mm512_set1_ps(1.3534121215343475e-2f);
@@ -866,26 +811,10 @@ inline void tile_group(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int n, 
 // is ones add each row's sum of rounded P to lane 0 of its l (the softmax's vector loop, the
 // bottleneck on AMX, then does no summing: 10 % of the attention time of a 512-token chunk).
 // Tiles 0-3: accumulators, 4: B, 5: A, 6: l, 7: the ones; all 16 rows x 64 bytes.
-bool amx_enabled() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return ok;
-}
+inline bool amx_enabled() { return tv_cpu::os_grants_amx(); }
 bool g_amx = true;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_configure() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  _tile_loadconfig(&cfg);
-}
+inline void amx_configure() { tv_cpu::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
 
 #define TINYVLLM_TILE_FOR4(F) F(0) F(1) F(2) F(3)
 
@@ -1065,29 +994,55 @@ void attention_tiled(const torch::Tensor& q, const torch::Tensor& key_cache, con
 
 #include "attention_int8.h"  // issue 39: the int8 Q K^T over an int8 cache (attention_tiled_i8)
 
-// The bf16 dot-product ceiling of tile_pairs' inner loop (the benchmark's reference): per dim pair,
-// 4 K vectors loaded from L1 and 6 broadcast queries, 24 independent vdpbf16ps chains, on every
-// thread. Returns the float32 multiply-adds * 2 per second of all threads.
-double bf16_dot_ceiling_impl(int64_t iters) {
+// Dot-product ceilings (the benchmarks' references: what the tiled attention's S = Q K^T loop could
+// reach on this CPU, operands from L1), FLOP = 2 per multiply-add, on every thread:
+//  * vec_dot_ceiling<false>: tile_pairs' inner loop, per dim pair 4 K vectors and 6 broadcast queries,
+//    24 independent vdpbf16ps chains; <true>: the same shape with VPDPBUSD (AVX512-VNNI: 64 int8
+//    multiply-adds per instruction against vdpbf16ps's 32; issue 39's int8 reference);
+//  * amx_dot_ceiling<false>: tile_pairs_amx's loop, per 32-dim step one A tile load, then for 4
+//    accumulator tiles one B tile load and one TDPBF16PS (16 x 16 x 32 multiply-adds); <true>: TDPBSSD
+//    (AMX-INT8: 16 x 16 x 64).
+// Runs body(begin, end) on every thread (at::parallel_for over the threads); returns
+// flop_per_thread * threads / seconds.
+template <typename Body>
+double flops_on_all_threads(double flop_per_thread, const Body& body) {
   const int64_t nthreads = at::get_num_threads();
-  std::atomic<int64_t> sink{0};
   const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
-    alignas(64) uint32_t k[32][kKvTile];
-    alignas(64) uint32_t q[6][32];
-    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
-    for (int i = 0; i < 6 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+  at::parallel_for(0, nthreads, 1, body);
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(nthreads) * flop_per_thread / sec;
+}
+
+// Operand words of the ceilings: bf16 pairs near 1.0, or int8 quads 1..4.
+template <bool kInt8, int KS, int NQ>
+inline void ceiling_operands(uint32_t (&k)[KS][kKvTile], uint32_t (&q)[NQ][KS]) {
+  for (int i = 0; i < KS * kKvTile; ++i) (&k[0][0])[i] = (kInt8 ? 0x01020304u : 0x3F803F80u) + (i & 7);
+  for (int i = 0; i < NQ * KS; ++i) (&q[0][0])[i] = (kInt8 ? 0x04030201u : 0x3F803F80u) - (i & 3);
+}
+
+template <bool kInt8>
+double vec_dot_ceiling(int64_t iters) {
+  constexpr int KS = kInt8 ? 16 : 32;  // dwords of a 64-dim row: 2 bf16 or 4 int8 each
+  std::atomic<int64_t> sink{0};
+  const double flops = flops_on_all_threads(static_cast<double>(iters) * KS * 24 * 16 * (kInt8 ? 4 : 2) * 2,
+                                            [&](int64_t b, int64_t e) {
+    alignas(64) uint32_t k[KS][kKvTile];
+    alignas(64) uint32_t q[6][KS];
+    ceiling_operands<kInt8>(k, q);
     for (int64_t rep = b; rep < e; ++rep) {
       __m512 s[6][4];
       for (int n = 0; n < 6; ++n)
         for (int c = 0; c < 4; ++c) s[n][c] = _mm512_setzero_ps();
       for (int64_t it = 0; it < iters; ++it)
-        for (int dp = 0; dp < 32; ++dp) {
-          __m512bh kv[4];
-          for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_load_si512(&k[dp][c * 16]);
+        for (int dp = 0; dp < KS; ++dp) {
+          __m512i kv[4];
+          for (int c = 0; c < 4; ++c) kv[c] = _mm512_load_si512(&k[dp][c * 16]);
           for (int n = 0; n < 6; ++n) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[n][dp]));
-            for (int c = 0; c < 4; ++c) s[n][c] = _mm512_dpbf16_ps(s[n][c], qb, kv[c]);
+            const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[n][dp]));
+            for (int c = 0; c < 4; ++c) {
+              if constexpr (kInt8) s[n][c] = _mm512_castsi512_ps(_mm512_dpbusd_epi32(_mm512_castps_si512(s[n][c]), qb, kv[c]));
+              else s[n][c] = _mm512_dpbf16_ps(s[n][c], (__m512bh)qb, (__m512bh)kv[c]);
+            }
           }
         }
       __m512 t = _mm512_setzero_ps();
@@ -1096,335 +1051,45 @@ double bf16_dot_ceiling_impl(int64_t iters) {
       sink += static_cast<int64_t>(_mm512_reduce_add_ps(t) != 0.0f);
     }
   });
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(nthreads) * iters * 32 * 24 * 16 * 2 * 2 / sec + 0.0 * sink.load();
+  return flops + 0.0 * sink.load();
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-// The same for tile_pairs_amx's S = Q K^T loop: per 32-dim step one A tile load, then for 4
-// accumulator tiles one B tile load and one TDPBF16PS (16 x 16 x 32 multiply-adds), from L1.
-double amx_dot_ceiling_impl(int64_t iters) {
+template <bool kInt8>
+double amx_dot_ceiling(int64_t iters) {
   if (!amx_enabled()) return 0.0;
-  const int64_t nthreads = at::get_num_threads();
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
+  return flops_on_all_threads(static_cast<double>(iters) * 2 * 4 * 16 * 16 * (kInt8 ? 64 : 32) * 2,
+                              [&](int64_t b, int64_t e) {
     alignas(64) uint32_t k[32][kKvTile];
     alignas(64) uint32_t q[16][32];
-    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x3F803F80u + (i & 7);
-    for (int i = 0; i < 16 * 32; ++i) (&q[0][0])[i] = 0x3F803F80u - (i & 3);
+    ceiling_operands<kInt8>(k, q);
     amx_configure();
     for (int64_t rep = b; rep < e; ++rep) {
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
       for (int64_t it = 0; it < iters; ++it)
         for (int ks = 0; ks < 2; ++ks) {
           _tile_loadd(5, &q[0][ks * 16], 128);
-          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); _tile_dpbf16ps(0, 5, 4);
-          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); _tile_dpbf16ps(1, 5, 4);
-          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); _tile_dpbf16ps(2, 5, 4);
-          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); _tile_dpbf16ps(3, 5, 4);
-        }
-      alignas(64) float sink[16][16];
-      _tile_stored(0, sink, 64);
-    }
-    _tile_release();
-  });
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 32 * 2 / sec;
-}
-#endif
-
-// int8 dot-product ceilings (issue 39's bench prefill reference: what an int8 Q K^T could reach on
-// this CPU): the shape of bf16_dot_ceiling_impl's loop with VPDPBUSD (AVX512-VNNI: 64 int8
-// multiply-adds per instruction against vdpbf16ps's 32), and of amx_dot_ceiling_impl's with TDPBSSD
-// (AMX-INT8: 16 x 16 x 64 per instruction). FLOP = 2 per multiply-add, all threads.
-#if defined(__AVX512VNNI__)
-double int8_dot_ceiling_impl(int64_t iters) {
-  const int64_t nthreads = at::get_num_threads();
-  std::atomic<int64_t> sink{0};
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
-    alignas(64) uint32_t k[16][kKvTile];
-    alignas(64) uint32_t q[6][16];
-    for (int i = 0; i < 16 * kKvTile; ++i) (&k[0][0])[i] = 0x01020304u + (i & 7);
-    for (int i = 0; i < 6 * 16; ++i) (&q[0][0])[i] = 0x04030201u - (i & 3);
-    for (int64_t rep = b; rep < e; ++rep) {
-      __m512i s[6][4];
-      for (int n = 0; n < 6; ++n)
-        for (int c = 0; c < 4; ++c) s[n][c] = _mm512_setzero_si512();
-      for (int64_t it = 0; it < iters; ++it)
-        for (int dq = 0; dq < 16; ++dq) {
-          __m512i kv[4];
-          for (int c = 0; c < 4; ++c) kv[c] = _mm512_load_si512(&k[dq][c * 16]);
-          for (int n = 0; n < 6; ++n) {
-            const __m512i qb = _mm512_set1_epi32(static_cast<int>(q[n][dq]));
-            for (int c = 0; c < 4; ++c) s[n][c] = _mm512_dpbusd_epi32(s[n][c], qb, kv[c]);
-          }
-        }
-      __m512i t = _mm512_setzero_si512();
-      for (int n = 0; n < 6; ++n)
-        for (int c = 0; c < 4; ++c) t = _mm512_add_epi32(t, s[n][c]);
-      sink += static_cast<int64_t>(_mm512_reduce_add_epi32(t) != 0);
-    }
-  });
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(nthreads) * iters * 16 * 24 * 16 * 4 * 2 / sec + 0.0 * sink.load();
-}
-#endif
-
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-double amx_int8_dot_ceiling_impl(int64_t iters) {
-  if (!amx_enabled()) return 0.0;
-  const int64_t nthreads = at::get_num_threads();
-  const auto t0 = std::chrono::steady_clock::now();
-  at::parallel_for(0, nthreads, 1, [&](int64_t b, int64_t e) {
-    alignas(64) uint32_t k[32][kKvTile];
-    alignas(64) uint32_t q[16][32];
-    for (int i = 0; i < 32 * kKvTile; ++i) (&k[0][0])[i] = 0x01020304u + (i & 7);
-    for (int i = 0; i < 16 * 32; ++i) (&q[0][0])[i] = 0x04030201u - (i & 3);
-    amx_configure();
-    for (int64_t rep = b; rep < e; ++rep) {
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      for (int64_t it = 0; it < iters; ++it)
-        for (int ks = 0; ks < 2; ++ks) {
-          _tile_loadd(5, &q[0][ks * 16], 128);
-          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); _tile_dpbssd(0, 5, 4);
-          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); _tile_dpbssd(1, 5, 4);
-          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); _tile_dpbssd(2, 5, 4);
-          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); _tile_dpbssd(3, 5, 4);
+// GCC's tile intrinsics paste the tile number into their asm: literal numbers only.
+#define TINYVLLM_CEIL_DP(C) if constexpr (kInt8) _tile_dpbssd(C, 5, 4); else _tile_dpbf16ps(C, 5, 4);
+          _tile_loadd(4, &k[ks * 16][0], kKvTile * 4); TINYVLLM_CEIL_DP(0)
+          _tile_loadd(4, &k[ks * 16][16], kKvTile * 4); TINYVLLM_CEIL_DP(1)
+          _tile_loadd(4, &k[ks * 16][32], kKvTile * 4); TINYVLLM_CEIL_DP(2)
+          _tile_loadd(4, &k[ks * 16][48], kKvTile * 4); TINYVLLM_CEIL_DP(3)
+#undef TINYVLLM_CEIL_DP
         }
       alignas(64) int32_t sink[16][16];
       _tile_stored(0, sink, 64);
     }
     _tile_release();
   });
-  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(nthreads) * iters * 2 * 4 * 16 * 16 * 64 * 2 / sec;
 }
 #endif
 #endif  // __AVX512BF16__
 #endif  // TINYVLLM_AVX512
 
-#if !defined(TINYVLLM_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#define TINYVLLM_AVX2 1
-// ---------------------------------------------------------------------------------------------
-// AVX2 + FMA paged attention (CPUs without AVX-512: AMD Zen 1-3, older Intel), the row kernel of the
-// AVX-512 section with 8-lane vectors: a work item is (tile of up to kTileRows2 consecutive query
-// rows of one sequence, KV head); scores for 8 positions come from 8 per-position lane vectors (D/8
-// FMAs each) folded by one fixed add network (hsum8x8); softmax with the same Cephes exp polynomial;
-// P V in position order with FMAs. Each query row's result is a fixed sequence of operations over its
-// own context (batch, chunk and prefix-cache invariant, as the other paths); it is not the scalar
-// loop's sequence (FMAs, another exp), so its bits differ from the scalar path's.
 
-constexpr int kTileRows2 = 8;
-constexpr int kMaxGroup2 = 16;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-// Round 8 floats to bfloat16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule).
-inline __m128i to_bf16_bits8(__m256 x) {
-  const __m256i b = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-inline void store8(c10::BFloat16* p, __m256 x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits8(x)); }
-inline __m256 round8(float*, __m256 x) { return x; }
-inline __m256 round8(c10::BFloat16*, __m256 x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits8(x)), 16));
-}
-
-// out[i] = sum of the 8 lanes of v[i], i = 0..7, by a fixed add tree (pairs, then quads, then halves).
-inline __m256 hsum8x8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// Fixed-order sum of the 8 lanes of one vector (pairwise halves).
-inline float hsum8(__m256 v) {
-  alignas(32) float l[8];
-  _mm256_store_ps(l, v);
-  for (int w = 4; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) l[i] += l[i + w];
-  return l[0];
-}
-
-// exp(x) lane-wise, clamped to [-87.3, 88.3]: exp16's operations on 8 lanes.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
-  const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  const __m256 z = _mm256_mul_ps(r, r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0f));
-  const __m256i n = _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-}
-
-// Lanes 0..n-1 all ones (n = 0..8).
-inline __m256 lane_mask8(int64_t n) {
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-template <typename C, int ND, int NH>
-inline void pv_accumulate8(const float* const* probs, const C* vp, const int64_t* bt, int64_t bs, int64_t Hk,
-                           int64_t hk, int64_t n, float* res, int64_t j_lo = 0) {
-  constexpr int D = ND * 8;
-  __m256 acc[NH][ND];
-  for (int h = 0; h < NH; ++h)
-    for (int v = 0; v < ND; ++v) acc[h][v] = _mm256_setzero_ps();
-  int64_t blk = j_lo / bs, off = j_lo % bs;
-  for (int64_t j = j_lo; j < n; ++j) {
-    const C* row = vp + ((bt[blk] * bs + off) * Hk + hk) * D;
-    if (++off == bs) off = 0, ++blk;
-    __m256 vv[ND];
-    for (int v = 0; v < ND; ++v) vv[v] = load8(row + v * 8);
-    for (int h = 0; h < NH; ++h) {
-      const __m256 pj = _mm256_set1_ps(probs[h][j]);
-      for (int v = 0; v < ND; ++v) acc[h][v] = _mm256_fmadd_ps(pj, vv[v], acc[h][v]);
-    }
-  }
-  for (int h = 0; h < NH; ++h)
-    for (int v = 0; v < ND; ++v) _mm256_storeu_ps(res + h * D + v * 8, acc[h][v]);
-}
-
-template <typename C, typename O, int ND>
-void attention_avx2(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                    const torch::Tensor& block_tables, const torch::Tensor& token_seq,
-                    const torch::Tensor& token_pos, double scale, torch::Tensor& out, int64_t window = 0) {
-  constexpr int D = ND * 8;
-  const int64_t num_tokens = q.size(0), Hq = q.size(1);
-  const int64_t bs = key_cache.size(1), Hk = key_cache.size(2);
-  const int64_t G = Hq / Hk;
-  const int64_t max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const C* kp = key_cache.data_ptr<C>();
-  const C* vp = value_cache.data_ptr<C>();
-  const int64_t* btp = block_tables.data_ptr<int64_t>();
-  const int64_t* seqp = token_seq.data_ptr<int64_t>();
-  const int64_t* posp = token_pos.data_ptr<int64_t>();
-  O* op = out.data_ptr<O>();
-  const __m256 vscale = _mm256_set1_ps(static_cast<float>(scale));
-  alignas(32) static const C zero_row[D] = {};
-
-  const std::vector<int64_t> tile_start = query_tiles(seqp, posp, num_tokens, kTileRows2);
-  const int64_t num_tiles = static_cast<int64_t>(tile_start.size()) - 1;
-
-  tv_pool::parallel_for(0, num_tiles * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item / Hk, hk = item % Hk;
-      const int64_t t0 = tile_start[tile], rows = tile_start[tile + 1] - t0;
-      const int64_t* bt = btp + seqp[t0] * max_blocks;
-      const int64_t ctx_max = posp[t0 + rows - 1] + 1;
-      const int64_t nchunks = (ctx_max + 7) / 8, stride = nchunks * 8, pairs = rows * G;
-      scores.resize(pairs * stride);
-      int64_t ctx[kTileRows2 * kMaxGroup2], lo[kTileRows2 * kMaxGroup2];  // lo: first key (sliding window)
-      const float* qrow[kTileRows2 * kMaxGroup2];
-      for (int64_t p = 0; p < pairs; ++p) {
-        ctx[p] = posp[t0 + p / G] + 1;
-        lo[p] = window > 0 ? std::max<int64_t>(0, ctx[p] - window) : 0;
-        qrow[p] = qp + ((t0 + p / G) * Hq + hk * G + p % G) * D;
-      }
-      // Pass 1: scores = (q . k) * scale, 8 positions at a time (a zero row past the tile's context).
-      for (int64_t c = lo[0] / 8; c < nchunks; ++c) {
-        const int64_t j0 = c * 8;
-        const C* krow[8];
-        int64_t blk = j0 / bs, off = j0 % bs;
-        for (int jj = 0; jj < 8; ++jj) {
-          if (j0 + jj < ctx_max) {
-            krow[jj] = kp + ((bt[blk] * bs + off) * Hk + hk) * D;
-            if (++off == bs) off = 0, ++blk;
-          } else {
-            krow[jj] = zero_row;
-          }
-        }
-        for (int64_t p = 0; p < pairs; ++p) {
-          if (ctx[p] <= j0 || lo[p] >= j0 + 8) continue;
-          __m256 qv[ND];
-          for (int v = 0; v < ND; ++v) qv[v] = _mm256_loadu_ps(qrow[p] + v * 8);
-          __m256 part[8];
-          for (int jj = 0; jj < 8; ++jj) {
-            __m256 a = _mm256_mul_ps(qv[0], load8(krow[jj]));
-            for (int v = 1; v < ND; ++v) a = _mm256_fmadd_ps(qv[v], load8(krow[jj] + v * 8), a);
-            part[jj] = a;
-          }
-          _mm256_storeu_ps(scores.data() + p * stride + j0, _mm256_mul_ps(hsum8x8(part), vscale));
-        }
-      }
-      // Softmax per pair: max, exp, fixed-order sum; probabilities overwrite the scores.
-      float inv[kTileRows2 * kMaxGroup2];
-      for (int64_t p = 0; p < pairs; ++p) {
-        float* s = scores.data() + p * stride;
-        const int64_t n = ctx[p], full = n / 8, tail = n % 8;
-        const __m256 tmask = lane_mask8(tail), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-        // Sliding window: chunks before c_lo are skipped, positions before lo in chunk c_lo masked.
-        const int64_t c_lo = lo[p] / 8;
-        const __m256 hmask = _mm256_andnot_ps(lane_mask8(lo[p] % 8), _mm256_castsi256_ps(_mm256_set1_epi32(-1)));
-        __m256 mv = ninf;
-        for (int64_t c = c_lo; c < full; ++c) {
-          const __m256 x = _mm256_loadu_ps(s + c * 8);
-          mv = _mm256_max_ps(mv, c == c_lo ? _mm256_blendv_ps(ninf, x, hmask) : x);
-        }
-        if (tail) mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + full * 8),
-                                                          full == c_lo ? _mm256_and_ps(tmask, hmask) : tmask));
-        alignas(32) float ml[8];
-        _mm256_store_ps(ml, mv);
-        float mx = ml[0];
-        for (int i = 1; i < 8; ++i) mx = ml[i] > mx ? ml[i] : mx;
-        const __m256 m = _mm256_set1_ps(mx);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t c = c_lo; c < full + (tail ? 1 : 0); ++c) {
-          __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c * 8), m));
-          if (c == full) e = _mm256_and_ps(e, tmask);
-          if (c == c_lo) e = _mm256_and_ps(e, hmask);
-          _mm256_storeu_ps(s + c * 8, e);
-          sum = _mm256_add_ps(sum, e);
-        }
-        inv[p] = 1.0f / hsum8(sum);
-      }
-      // Pass 2: weighted sum of V in position order, up to 4 heads of the GQA group sharing each V row.
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = ctx[r * G];
-        for (int64_t h0 = 0; h0 < G; h0 += 4) {
-          const int nh = static_cast<int>(std::min<int64_t>(4, G - h0));
-          const float* probs[4];
-          for (int i = 0; i < nh; ++i) probs[i] = scores.data() + (r * G + h0 + i) * stride;
-          alignas(32) float res[4 * D];
-          const int64_t jl = lo[r * G];
-          switch (nh) {
-            case 1: pv_accumulate8<C, ND, 1>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
-            case 2: pv_accumulate8<C, ND, 2>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
-            case 3: pv_accumulate8<C, ND, 3>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
-            default: pv_accumulate8<C, ND, 4>(probs, vp, bt, bs, Hk, hk, n, res, jl); break;
-          }
-          for (int i = 0; i < nh; ++i) {
-            const __m256 iv = _mm256_set1_ps(inv[r * G + h0 + i]);
-            O* orow = op + ((t0 + r) * Hq + hk * G + h0 + i) * D;
-            for (int v = 0; v < ND; ++v) store8(orow + v * 8, _mm256_mul_ps(_mm256_loadu_ps(res + i * D + v * 8), iv));
-          }
-        }
-      }
-    }
-  });
-}
-#endif  // TINYVLLM_AVX2
-
-// Paged attention over the packed batch: the AVX-512 kernel when the head size allows it.
+// Paged attention over the packed batch: the tiled kernel (bf16 cache, AVX512_BF16), else the row kernel
+// when the head size allows it, else the scalar loops.
 template <typename C, typename O>
 void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                     const torch::Tensor& block_tables, const torch::Tensor& token_seq,
@@ -1442,28 +1107,18 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
     }
   }
 #endif
-#if defined(TINYVLLM_AVX512)
+#if defined(TINYVLLM_VEC)
   if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup) {
+#define TINYVLLM_ROW(D) return attention_row<VecF, C, O, D>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
     switch (q.size(2)) {
-      case 16: return attention_avx512<C, O, 1>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 32: return attention_avx512<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 64: return attention_avx512<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 96: return attention_avx512<C, O, 6>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 128: return attention_avx512<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
+      case 16: TINYVLLM_ROW(16)
+      case 32: TINYVLLM_ROW(32)
+      case 64: TINYVLLM_ROW(64)
+      case 96: TINYVLLM_ROW(96)
+      case 128: TINYVLLM_ROW(128)
       default: break;
     }
-  }
-#endif
-#if defined(TINYVLLM_AVX2)
-  if (g_vector_kernels && q.size(1) / key_cache.size(2) <= kMaxGroup2) {
-    switch (q.size(2)) {
-      case 16: return attention_avx2<C, O, 2>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 32: return attention_avx2<C, O, 4>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 64: return attention_avx2<C, O, 8>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 96: return attention_avx2<C, O, 12>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      case 128: return attention_avx2<C, O, 16>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
-      default: break;
-    }
+#undef TINYVLLM_ROW
   }
 #endif
   attention_scalar<C, O>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out, window);
@@ -1561,35 +1216,23 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
     for (int64_t t = begin; t < end; ++t) {
       alignas(64) float lanes[kLanes] = {0};
       int64_t i = 0;
-#if defined(TINYVLLM_AVX512)
+#if defined(TINYVLLM_VEC)
       // Same arithmetic as the scalar loops below (mul then add, lane l takes elements l mod 16),
-      // so both paths give identical results.
+      // so both paths give identical results; on AVX2 the 16 lanes are two 8-lane vectors.
       if (g_vector_kernels) {
-        __m512 acc = _mm512_setzero_ps();
+        constexpr int L = VecF::kLanes, S = kLanes / L;
+        VecF acc[S];
+        for (int e = 0; e < S; ++e) acc[e] = VecF::zero();
         for (; i + kLanes <= H; i += kLanes) {
-          __m512 v = load16(xp + t * H + i);
-          if (rp) v = round16(rop, _mm512_add_ps(v, load16(rp + t * H + i)));
-          _mm512_storeu_ps(h.data() + i, v);
-          store16(rop + t * H + i, v);
-          acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-        }
-        _mm512_store_ps(lanes, acc);
-      }
-#elif defined(TINYVLLM_AVX2)
-      // The same arithmetic on two 8-lane halves of the 16 lanes: identical bits to the scalar loops.
-      if (g_vector_kernels) {
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (; i + kLanes <= H; i += kLanes) {
-          for (int e = 0; e < 2; ++e) {
-            __m256 v = load8(xp + t * H + i + 8 * e);
-            if (rp) v = round8(rop, _mm256_add_ps(v, load8(rp + t * H + i + 8 * e)));
-            _mm256_storeu_ps(h.data() + i + 8 * e, v);
-            store8(rop + t * H + i + 8 * e, v);
-            acc[e] = _mm256_add_ps(acc[e], _mm256_mul_ps(v, v));
+          for (int e = 0; e < S; ++e) {
+            VecF v = VecF::load(xp + t * H + i + L * e);
+            if (rp) v = tv_vec::round_as<C>(v + VecF::load(rp + t * H + i + L * e));
+            v.store(h.data() + i + L * e);
+            v.store(rop + t * H + i + L * e);
+            acc[e] = acc[e] + v * v;
           }
         }
-        _mm256_storeu_ps(lanes, acc[0]);
-        _mm256_storeu_ps(lanes + 8, acc[1]);
+        for (int e = 0; e < S; ++e) acc[e].store(lanes + L * e);
       }
 #endif
       const int64_t vec_end = i;
@@ -1606,14 +1249,10 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor* residual, const 
         for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
       const float inv = 1.0f / std::sqrt(lanes[0] / static_cast<float>(H) + feps);
       int64_t j = 0;
-#if defined(TINYVLLM_AVX512)
-      const __m512 vinv = _mm512_set1_ps(inv);
-      for (; j < vec_end; j += kLanes)
-        store16(op + t * H + j, _mm512_mul_ps(load16(wp + j), round16(op, _mm512_mul_ps(_mm512_loadu_ps(h.data() + j), vinv))));
-#elif defined(TINYVLLM_AVX2)
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (; j < vec_end; j += 8)
-        store8(op + t * H + j, _mm256_mul_ps(load8(wp + j), round8(op, _mm256_mul_ps(_mm256_loadu_ps(h.data() + j), vinv))));
+#if defined(TINYVLLM_VEC)
+      const VecF vinv = VecF::set1(inv);
+      for (; j < vec_end; j += VecF::kLanes)
+        (VecF::load(wp + j) * tv_vec::round_as<C>(VecF::load(h.data() + j) * vinv)).store(op + t * H + j);
 #endif
       for (; j < H; ++j)
         op[t * H + j] = from_f<C>(to_f(wp[j]) * round_to<C>(h[j] * inv));
@@ -1631,23 +1270,14 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
       const C* g = xp + t * 2 * I;
       const C* u = g + I;
       int64_t i = 0;
-#if defined(TINYVLLM_AVX512)
+#if defined(TINYVLLM_VEC)
       // Element i always takes the same path (vector body or scalar tail), whatever the batch.
       if (g_vector_kernels) {
-        for (; i + 16 <= I; i += 16) {
-          const __m512 gv = load16(g + i);
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-          const __m512 silu = round16(op, _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-          store16(op + t * I + i, _mm512_mul_ps(silu, load16(u + i)));
-        }
-      }
-#elif defined(TINYVLLM_AVX2)
-      if (g_vector_kernels) {  // the AVX-512 body's operations on 8 lanes
-        for (; i + 8 <= I; i += 8) {
-          const __m256 gv = load8(g + i);
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-          const __m256 silu = round8(op, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-          store8(op + t * I + i, _mm256_mul_ps(silu, load8(u + i)));
+        for (; i + VecF::kLanes <= I; i += VecF::kLanes) {
+          const VecF gv = VecF::load(g + i);
+          const VecF e = tv_vec::exp(VecF::zero() - gv);
+          const VecF silu = tv_vec::round_as<C>(gv / (VecF::set1(1.0f) + e));
+          (silu * VecF::load(u + i)).store(op + t * I + i);
         }
       }
 #endif
@@ -1658,6 +1288,26 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
       }
     }
   });
+}
+
+// Rotate-half rotary embedding of one head row x (D = 2 * half values) by the position's cos c and
+// sin s: put(i, x[i] c[i] - x[i + half] s[i]) and put(i + half, x[i + half] c[i] + x[i] s[i]).
+template <typename C, typename Put>
+inline void rope_row(const C* x, const float* c, const float* s, int64_t half, const Put& put) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+    put(i, x1 * c[i] - x2 * s[i]);
+    put(i + half, x2 * c[i] + x1 * s[i]);
+  }
+}
+
+// The Hq query heads of one token's qkv row x, rotated and rounded to the model dtype, into q [Hq, D] float32.
+template <typename C>
+inline void rope_queries(const C* x, const float* c, const float* s, int64_t Hq, int64_t D, float* q) {
+  for (int64_t h = 0; h < Hq; ++h) {
+    float* o = q + h * D;
+    rope_row(x + h * D, c, s, D / 2, [&](int64_t i, float r) { o[i] = round_to<C>(r); });
+  }
 }
 
 // Rotary embedding (rotate-half layout) on q and k from a fused qkv row, K/V written into the
@@ -1681,15 +1331,7 @@ void rope_and_cache_impl(const torch::Tensor& qkv, const torch::Tensor& cos, con
       const C* x = xp + t * row;
       const float* c = cp + pp[t] * half;
       const float* s = sp + pp[t] * half;
-      for (int64_t h = 0; h < Hq; ++h) {
-        const C* q = x + h * D;
-        float* o = qo + (t * Hq + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(q[i]), x2 = to_f(q[i + half]);
-          o[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
-          o[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
-        }
-      }
+      rope_queries<C>(x, c, s, Hq, D, qo + t * Hq * D);
       const int64_t slot = slp[t];
       if (slot < 0) continue;
       for (int64_t h = 0; h < Hk; ++h) {
@@ -1697,11 +1339,7 @@ void rope_and_cache_impl(const torch::Tensor& qkv, const torch::Tensor& cos, con
         const C* v = x + (Hq + Hk + h) * D;
         C* kd = kc + (slot * Hk + h) * D;
         C* vd = vc + (slot * Hk + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(k[i]), x2 = to_f(k[i + half]);
-          kd[i] = from_f<C>(x1 * c[i] - x2 * s[i]);
-          kd[i + half] = from_f<C>(x2 * c[i] + x1 * s[i]);
-        }
+        rope_row(k, c, s, half, [&](int64_t i, float r) { kd[i] = from_f<C>(r); });
         for (int64_t i = 0; i < D; ++i) vd[i] = v[i];
       }
     }
@@ -1731,25 +1369,13 @@ void rope_and_cache_q_impl(const torch::Tensor& qkv, const torch::Tensor& cos, c
       const C* x = xp + t * row;
       const float* c = cp + pp[t] * half;
       const float* s = sp + pp[t] * half;
-      for (int64_t h = 0; h < Hq; ++h) {
-        const C* q = x + h * D;
-        float* o = qo + (t * Hq + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(q[i]), x2 = to_f(q[i + half]);
-          o[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
-          o[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
-        }
-      }
+      rope_queries<C>(x, c, s, Hq, D, qo + t * Hq * D);
       const int64_t slot = slp[t];
       if (slot < 0) continue;
       for (int64_t h = 0; h < Hk; ++h) {
         const C* k = x + (Hq + h) * D;
         const C* v = x + (Hq + Hk + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_f(k[i]), x2 = to_f(k[i + half]);
-          kf[i] = round_to<C>(x1 * c[i] - x2 * s[i]);
-          kf[i + half] = round_to<C>(x2 * c[i] + x1 * s[i]);
-        }
+        rope_row(k, c, s, half, [&](int64_t i, float r) { kf[i] = round_to<C>(r); });
         for (int64_t i = 0; i < D; ++i) vf[i] = to_f(v[i]);
         quantize_row<Kind>(kf.data(), D, kc + (slot * Hk + h) * RD);
         quantize_row<Kind>(vf.data(), D, vc + (slot * Hk + h) * RD);
@@ -1902,7 +1528,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "whether the tiled bf16 attention kernel (AVX512_BF16) was compiled in");
   m.def("bf16_dot_ceiling", [](int64_t iters) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__)
-    return bf16_dot_ceiling_impl(iters);
+    return vec_dot_ceiling<false>(iters);
 #else
     (void)iters;
     return 0.0;
@@ -1924,7 +1550,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "tiled attention on AMX where available (default) or on AVX512-BF16 vdpbf16ps (tests, A/B)");
   m.def("amx_dot_ceiling", [](int64_t iters) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-    return amx_dot_ceiling_impl(iters);
+    return amx_dot_ceiling<false>(iters);
 #else
     (void)iters;
     return 0.0;
@@ -1932,7 +1558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "FLOP/s of the AMX tiled attention's S = Q K^T loop on all threads (0 without AMX)");
   m.def("int8_dot_ceiling", [](int64_t iters) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-    return int8_dot_ceiling_impl(iters);
+    return vec_dot_ceiling<true>(iters);
 #else
     (void)iters;
     return 0.0;
@@ -1940,7 +1566,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "FLOP/s of a VPDPBUSD (AVX512-VNNI) loop shaped like the tiled attention's S = Q K^T, all threads (0 without it)");
   m.def("amx_int8_dot_ceiling", [](int64_t iters) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    return amx_int8_dot_ceiling_impl(iters);
+    return amx_dot_ceiling<true>(iters);
 #else
     (void)iters;
     return 0.0;

@@ -76,6 +76,13 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _paged_strides(q, key_cache, value_cache, block_tables, out) -> tuple[int, ...]:
+    """The stride arguments both attention kernels take, in their order: q's token and head strides, each
+    cache's block, slot and head strides, the block table's row stride, out's token and head strides."""
+    return (*q.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3], block_tables.stride(0),
+            *out.stride()[:2])
+
+
 def _check_q(q: torch.Tensor, key_cache: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -194,6 +201,84 @@ def reshape_and_cache(
 
 
 # ---------------------------------------------------------------------------
+# The KV-tile step both attention kernels share
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_kv_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    kc_ptr,
+    vc_ptr,
+    bt_row,
+    kvh,
+    n0,
+    kv_lo,
+    kv_end,
+    q_pos,
+    win,
+    offs_d,
+    d_mask,
+    scale_log2,
+    block_size,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One KV tile (positions ``n0 .. n0 + BLOCK_N - 1``, those in ``[kv_lo, kv_end)``) of the online
+    softmax (FlashAttention-2, Dao 2023) for a block of query rows ``q`` ``[R, BLOCK_D]`` attending to KV
+    head ``kvh`` through the block table row ``bt_row``: scores in base 2 (``scale_log2``), the running
+    max ``m_i`` and sum ``l_i`` ``[R]`` rescaled, ``acc`` ``[R, BLOCK_D]`` += P V. ``CAUSAL``: row ``r``
+    sees keys ``q_pos[r] - win < j <= q_pos[r]`` only (prefill; ``win`` > the context: no window); else
+    every key of the tile (decode). A row that sees no key yet keeps ``m_i`` = -inf and adds nothing
+    (``m_safe``). Returns ``(m_i, l_i, acc)``."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
+    blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
+    tok = (offs_n % block_size).to(tl.int64)
+    # K^T tile [BLOCK_D, BLOCK_N]
+    k = tl.load(
+        kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
+        mask=n_mask[None, :] & d_mask[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2
+    if CAUSAL:
+        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - win)
+    else:
+        allowed = n_mask[None, :]
+    s = tl.where(allowed, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+
+    # V tile [BLOCK_N, BLOCK_D]
+    v = tl.load(
+        vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+# ---------------------------------------------------------------------------
 # 2. paged decode attention (flash-decoding)
 # ---------------------------------------------------------------------------
 
@@ -267,37 +352,12 @@ def _decode_split_kernel(
 
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = (offs_n < end) & (offs_n >= lo_key)
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        tok = (offs_n % block_size).to(tl.int64)
-        kv_mask = n_mask[None, :] & d_mask[:, None]
-        # K^T tile [BLOCK_D, BLOCK_N]
-        k = tl.load(
-            kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
-            mask=kv_mask,
-            other=0.0,
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, n0, lo_key, end, offs_h, 0, offs_d, d_mask, scale_log2,
+            block_size,
+            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+            BLOCK_N=BLOCK_N, CAUSAL=False, UPCAST=UPCAST,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        # V tile [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -452,17 +512,7 @@ def paged_decode_attention(
             po,
             plse,
             float(scale) * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_paged_strides(q, key_cache, value_cache, block_tables, out),
             *po_strides,
             *plse_strides,
             block_size,
@@ -590,36 +640,12 @@ def _prefill_kernel(
     kv_start = tl.maximum(prefix + qb * BLOCK_M - win + 1, 0) // BLOCK_N * BLOCK_N
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
-        tok = (offs_n % block_size).to(tl.int64)
-        k = tl.load(
-            kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
-            mask=n_mask[None, :] & d_mask[:, None],
-            other=0.0,
+        m_i, l_i, acc = _attend_kv_tile(
+            q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, n0, 0, kv_end, q_pos, win, offs_d, d_mask, scale_log2,
+            block_size,
+            stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+            BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=UPCAST,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - win)
-        s = tl.where(allowed, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(
-            vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -692,17 +718,7 @@ def paged_prefill_attention(
             out,
             num_seqs,
             float(scale) * _LOG2E,
-            q.stride(0),
-            q.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            block_tables.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *_paged_strides(q, key_cache, value_cache, block_tables, out),
             block_size,
             int(window),
             GROUP=num_heads // num_kv_heads,
