@@ -329,7 +329,9 @@ class ModelRunner:
         for i, st in enumerate(reqs):
             sp = st.sampling_params
             d = drafts[i] if drafts else []
-            stop_ids = sorted(st.eos_token_ids | set(sp.stop_token_ids or []))
+            # EOS and stop ids banned below min_tokens: built only for requests still short of it
+            min_left = 0 if st.req_id in constrained else sp.min_tokens - len(st.output_token_ids)
+            stop_ids = sorted(st.eos_token_ids | set(sp.stop_token_ids or [])) if min_left > 0 else []
             for j in range(len(d) + 1):
                 if sp.logit_bias:
                     bias_rows.append((len(params), sp.logit_bias))
@@ -337,8 +339,7 @@ class ModelRunner:
                 prompts.append(st.prompt_token_ids)
                 outputs.append(st.output_token_ids + d[:j] if j else st.output_token_ids)
                 gens.append(st.generator)
-                banned.append(stop_ids if st.req_id not in constrained
-                              and len(st.output_token_ids) + j < sp.min_tokens else [])
+                banned.append(stop_ids if j < min_left else [])
         smd = SamplingMetadata.build(params, prompts, outputs, gens, banned, device=self.device)
         if bias_rows:  # OpenAI logit_bias: added to the logits before the sampler (penalties, top-k/p, sampling)
             rows = [i for i, b in bias_rows for _ in b]
