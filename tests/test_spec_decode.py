@@ -26,9 +26,11 @@ import torch
 
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.config import EngineArgs, SpeculativeConfig
+from tinyvllm.request import Request, RequestStatus
 from tinyvllm.sample.sampler import Sampler, SamplingMetadata
 from tinyvllm.spec_decode.ngram_proposer import NgramProposer
-from tinyvllm.spec_decode.policy import SpecPolicy
+from tinyvllm.spec_decode.drafter import Drafter
+from tinyvllm.spec_decode.policy import EXPLORE_EVERY, EXPLORE_MAX_EVERY, ExploreBackoff, SpecPolicy
 from tinyvllm.spec_decode.rejection_sampler import rejection_sample
 from tinyvllm.spec_decode.suffix_proposer import SuffixProposer, SuffixTree, speculate_from_sequence
 
@@ -176,6 +178,102 @@ def test_policy_turns_speculation_off_when_it_cannot_pay():
     assert pol.choose(16, 16, [(4, 0.5, False)] * 16) == [0] * 16
     assert pol.choose(16, 16, [(4, 0.5, True)] + [(4, 0.5, False)] * 15)[0] == 1
     assert SpecPolicy(disable_by_batch_size=8).choose(8, 8, [(4, 0.99, False)]) == [0]
+
+
+
+def _compute_bound_policy() -> SpecPolicy:
+    pol = SpecPolicy()
+    for t in range(16, 40):  # steps cost 10 ms + 1 ms per token: a batch of 16 is compute-bound
+        pol.observe_step(t, 0.010 + 0.001 * t)
+    return pol
+
+
+def _explored_steps(num_steps: int, backoff: ExploreBackoff, accept_at: frozenset = frozenset()) -> list[int]:
+    """One request among 16 decoding, its acceptance estimate 0 (the cost model refuses its drafts), its
+    proposer drafting every step; each explored draft token is rejected unless explored at a step in
+    ``accept_at``. Returns the steps at which it explored."""
+    pol, out = _compute_bound_policy(), []
+    for step in range(num_steps):
+        n = pol.choose(16, 16, [(4, 0.0, backoff.due("r"))])[0]
+        backoff.step("r", n, pol.last_explored[0])
+        if n:
+            assert pol.last_explored[0] and n == 1
+            out.append(step)
+            backoff.outcome("r", 1 if step in accept_at else 0)
+    return out
+
+
+def test_exploration_backs_off_exponentially_and_an_accepted_exploration_resets_it():
+    # the fixed interval (the rule before the back-off): every base + 1 steps, ~N / 17 explorations
+    fixed = _explored_steps(1024, ExploreBackoff(cap=EXPLORE_EVERY))
+    assert len(fixed) == 1024 // (EXPLORE_EVERY + 1)
+    # back-off: the waits are 16, 32, 64, 128, 256, 256, ... idle steps (reference: summed by hand below)
+    steps = _explored_steps(4096, ExploreBackoff())
+    want, at, gap = [], -1, EXPLORE_EVERY
+    while at + gap + 1 < 4096:
+        at += gap + 1
+        want.append(at)
+        gap = min(2 * gap, EXPLORE_MAX_EVERY)
+    assert steps == want
+    for n in (64, 128, 256, 512, 1024):  # below the cap: log2(N / 16) explorations, not N / 17
+        got = sum(s < n for s in steps)
+        assert got <= np.log2(n / EXPLORE_EVERY) + 1 and got < sum(s < n for s in fixed)
+    assert sum(s < 1024 for s in steps) == 7 and sum(s < 1024 for s in fixed) == 60
+    # an accepted exploration (the 4th, after waits 16, 32, 64, 128) resets the wait to 16
+    steps = _explored_steps(1024, ExploreBackoff(), accept_at=frozenset({want[3]}))
+    assert steps[:5] == want[:4] + [want[3] + EXPLORE_EVERY + 1]
+    assert steps[5] == steps[4] + 2 * EXPLORE_EVERY + 1  # and the back-off starts over
+    # per proposer: while every exploration is rejected, a new request starts at the backed-off wait
+    b = ExploreBackoff()
+    _explored_steps(200, b)
+    assert b.shared_gap == 128 and not b.due("new")
+    b.outcome("r", 2)  # any accepted draft token restores the base wait
+    assert b.shared_gap == EXPLORE_EVERY
+
+
+def test_request_turning_repetitive_gets_drafts_again_within_a_bound():
+    """The real drafter (ngram proposer, cost model, back-off) on one request of a batch of 16 whose
+    text is noise for 1,000 steps (the verifier rejects every draft) and then repeats an 8-token cycle
+    (drafts from the request's own text are right): it drafts again, several tokens per step, within
+    ``EXPLORE_MAX_EVERY`` plus a few base intervals of the switch."""
+    rng = np.random.default_rng(0)
+    drafter = Drafter(SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    prompt = rng.integers(0, 6, size=32).tolist()
+    req = Request(request_id="r", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=4000),
+                  eos_token_ids=frozenset(), max_tokens=4000)
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = len(prompt) - 1
+    others = [Request(request_id=f"o{i}", prompt_token_ids=[1], sampling_params=SamplingParams(max_tokens=1),
+                      eos_token_ids=frozenset(), max_tokens=1) for i in range(15)]  # waiting: not decoding
+    cycle = list(range(100, 108))
+    switch, explored_noise, first_long = 1000, 0, None
+    for step in range(switch + EXPLORE_MAX_EVERY + 4 * EXPLORE_EVERY):
+        drafter.propose([req] + others, 16)
+        drafts = list(req.spec_token_ids)
+        if step < switch:  # noise: the next token is anything but the first draft token
+            explored_noise += bool(drafts)
+            truth = [int(rng.choice([t for t in range(6) if not drafts or t != drafts[0]]))]
+        else:
+            truth = [cycle[(req.num_output_tokens - out0 + j) % 8] for j in range(len(drafts) + 1)]
+        acc = 0
+        while acc < len(drafts) and drafts[acc] == truth[acc]:
+            acc += 1
+        for t in drafts[:acc] + [truth[acc]]:
+            req.append_output_token(t)
+        req.num_computed_tokens = req.num_tokens - 1
+        if drafts:  # the acceptance estimate, as Scheduler._count_spec keeps it
+            rate = acc / min(len(drafts), acc + 1)
+            a = req.spec_acceptance
+            req.spec_acceptance = rate if a is None else 0.7 * a + 0.3 * rate
+        drafter.observe(16 + len(drafts), 0.010 + 0.001 * (16 + len(drafts)), {"r": drafts} if drafts else {},
+                        {"r": drafts[:acc]} if drafts else {})
+        if step == switch - 1:
+            out0 = req.num_output_tokens
+            assert explored_noise <= 10  # backed off: ~log2(1000 / 16) + 1000 / 256 explorations, not ~60
+        if step >= switch and len(drafts) > 1 and acc == len(drafts):
+            first_long = step - switch
+            break
+    assert first_long is not None and first_long <= EXPLORE_MAX_EVERY + 4 * EXPLORE_EVERY
 
 
 # ----------------------------------------------------------------------------- rejection sampler

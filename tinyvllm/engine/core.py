@@ -291,15 +291,15 @@ class EngineCore:
         return outputs
 
     def _speculate(self, sched: SchedulerOutput, result, touched: list[Request], exec_seconds: float) -> None:
-        """Speculative decoding between steps: learn from this step (its time, when it computed no
-        prefill, and its verifications), then propose the next step's drafts for the running requests."""
+        """Speculative decoding between steps: learn from this step (its time when it computed no
+        prefill; its verifications always), then propose the next step's drafts for the running requests."""
         drafter = self.drafter
         for req in touched:
             if req.status.is_finished:
                 drafter.finish(req)
-        if sched.num_scheduled_tokens and sched.num_prefill_tokens == 0:
-            drafter.observe(sched.total_num_scheduled_tokens, exec_seconds, sched.scheduled_spec_decode_tokens,
-                            result.spec_accepted)
+        if sched.num_scheduled_tokens:  # the step time model is fitted to steps without prefill only
+            drafter.observe(sched.total_num_scheduled_tokens if sched.num_prefill_tokens == 0 else 0, exec_seconds,
+                            sched.scheduled_spec_decode_tokens, result.spec_accepted)
         sch = self.scheduler
         budget = sch.config.max_num_batched_tokens
         base = sum(r.num_tokens - r.num_computed_tokens for r in sch.running)

@@ -22,7 +22,7 @@ import numpy as np
 from tinyvllm.config import SpeculativeConfig
 from tinyvllm.request import Request, RequestStatus
 from tinyvllm.spec_decode.ngram_proposer import NgramProposer
-from tinyvllm.spec_decode.policy import EXPLORE_EVERY, SpecPolicy
+from tinyvllm.spec_decode.policy import ExploreBackoff, SpecPolicy
 from tinyvllm.spec_decode.suffix_proposer import SuffixProposer
 
 
@@ -64,7 +64,7 @@ class Drafter:
                                            min_token_prob=config.suffix_decoding_min_token_prob)
         self.policy = SpecPolicy(disable_by_batch_size=config.disable_by_batch_size, cost_model=config.cost_model)
         self._buffers: dict[str, _TokenBuffer] = {}
-        self._idle: dict[str, int] = {}  # request id -> steps since it last verified a draft
+        self.backoff = ExploreBackoff()  # when each request may explore (exponential back-off)
 
     def _propose_one(self, req: Request) -> list[int]:
         if self.config.method == "ngram":
@@ -109,21 +109,20 @@ class Drafter:
                 draft = self._grammar_prefix(req, draft)
             if draft:
                 cands.append((req, draft))
+        backoff = self.backoff
+        backoff.exploring.clear()  # the last step's verifications were observed (or never ran)
         if cands:
-            idle = self._idle
-            lengths = self.policy.choose(
-                len(running), base_tokens,
-                [(len(d), r.spec_acceptance, idle.get(r.request_id, 0) >= EXPLORE_EVERY) for r, d in cands])
-            for (req, draft), n in zip(cands, lengths):
+            pol = self.policy
+            lengths = pol.choose(len(running), base_tokens,
+                                 [(len(d), r.spec_acceptance, backoff.due(r.request_id)) for r, d in cands])
+            for (req, draft), n, explored in zip(cands, lengths, pol.last_explored):
                 if n:
                     req.spec_token_ids = draft[:n]
-                    idle[req.request_id] = 0
-                else:
-                    idle[req.request_id] = idle.get(req.request_id, 0) + 1
-        if len(self._buffers) > 2 * len(running) + 16 or len(self._idle) > 2 * len(running) + 16:
+                backoff.step(req.request_id, n, explored)
+        if len(self._buffers) > 2 * len(running) + 16 or len(backoff.idle) > 2 * len(running) + 16:
             live = {r.request_id for r in running}  # drop the state of requests aborted meanwhile
             self._buffers = {k: v for k, v in self._buffers.items() if k in live}
-            self._idle = {k: v for k, v in self._idle.items() if k in live}
+            backoff.keep_only(live)
         if self.config.method == "suffix":
             self.proposer.prune({r.request_id for r in running})
         return time.perf_counter() - t0
@@ -133,17 +132,19 @@ class Drafter:
         """Learn from a finished step: its size and time, and each verification's acceptance.
 
         Args:
-            num_tokens: tokens the step computed; seconds: its forward + sampling time.
+            num_tokens: tokens the step computed (0: a step not to fit the time model by, one with
+                prefill); seconds: its forward + sampling time.
             verified: request id -> drafts verified; accepted: request id -> drafts accepted.
         """
         self.policy.observe_step(num_tokens, seconds)
         for rid, d in verified.items():
             acc = len(accepted.get(rid, ()))
             self.policy.observe_acceptance(acc / min(len(d), acc + 1))
+            self.backoff.outcome(rid, acc)
 
     def finish(self, req: Request) -> None:
         """A request finished: forget its state (the suffix method adds its output to the global tree)."""
         self._buffers.pop(req.request_id, None)
-        self._idle.pop(req.request_id, None)
+        self.backoff.forget(req.request_id)
         if self.config.method == "suffix":
             self.proposer.finish(req.request_id, req.output_token_ids)
