@@ -233,7 +233,7 @@ def test_unknown_fields_are_warned_and_unsupported_ones_refused(server):
 def test_a_failure_after_registration_unregisters_the_request():
     """AsyncLLM.add_request: a payload msgpack cannot carry (a seed forced past int64 after validation), or a
     send that fails, leaves no request in the output processor, the streams or the metrics."""
-    from tinyvllm.engine.async_llm import AsyncLLM, InvalidRequestError
+    from tinyvllm.engine.async_llm import AsyncLLM, InvalidRequestError, _Replica
     from tinyvllm.engine.output_processor import OutputProcessor
     from tinyvllm.engine.tokenizer import load_tokenizer
     from tinyvllm.metrics.prometheus import ServerMetrics
@@ -245,6 +245,7 @@ def test_a_failure_after_registration_unregisters_the_request():
     eng.processor = OutputProcessor(load_tokenizer(resolve_model("SmolLM2-135M-Instruct").model_dir))
     eng.metrics = ServerMetrics("m")
     eng._queues, eng._dead, eng._accepting, eng.max_waiting_requests = {}, None, True, None
+    eng._replicas = [_Replica(0)]
     eng.stats, eng._num_sent, eng.eos_token_ids, eng.max_model_len, eng.vocab_size = SchedulerStats(), 0, [2], 64, 100
 
     params = SamplingParams(seed=1)
