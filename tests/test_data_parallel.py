@@ -30,22 +30,35 @@ from tinyvllm.metrics.stats import SchedulerStats
 
 def test_router_keeps_a_prefix_on_its_replica_and_spreads_new_prompts():
     r = DPRouter(2, 16, [1000, 1000])
+    r.prefill_weight = 16.0
+
+    def done(rid: str) -> None:  # the request's first output, then its finish
+        r.prefill_done(rid)
+        r.finish(rid)
+
     a, b = list(range(100, 420)), list(range(5000, 5320))  # 20 blocks each, nothing shared
     first = r.route("a1", a)
     assert r.route("b1", b) != first  # an idle replica beats a busy one when nothing is cached
-    r.finish("a1")
-    r.finish("b1")
+    done("a1")
+    done("b1")
     for k in range(4):  # each conversation comes back to the replica that holds it
         assert r.route(f"a{k + 2}", a + [7] * (k + 1)) == first
         assert r.route(f"b{k + 2}", b + [9] * (k + 1)) != first
-        r.finish(f"a{k + 2}")
-        r.finish(f"b{k + 2}")
+        done(f"a{k + 2}")
+        done(f"b{k + 2}")
     assert r.state(first)["predicted_hit_blocks"] == 4 * 20  # whole blocks (321+ tokens: 20 of 21 reusable)
-    # a replica loaded far beyond the prefix's worth is passed over
-    for k in range(6):
+    # a prompt routed but not yet prefilled predicts nothing: a second one like it goes by load
+    r.route("c1", list(range(9000, 9320)))
+    assert r.route("c2", list(range(9000, 9320)) + [1]) != r.replica_of("c1")
+    done("c1")
+    done("c2")
+    # a replica busier by more than the prefix is worth (16 x 20 blocks) is passed over
+    for k in range(17):
         r.route(f"busy{k}", list(range(10_000 * (k + 1), 10_000 * (k + 1) + 320)), pinned=first)
     assert r.route("a-late", a + [1]) != first
-    assert r.requests.keys() == {f"busy{k}" for k in range(6)} | {"a-late"}
+    assert r.requests.keys() == {f"busy{k}" for k in range(17)} | {"a-late"}
+    r.finish("a-late")  # aborted before any output: its blocks are not predicted anywhere
+    assert r._match(r.replicas[1 - first], r.block_hashes(a)) == 0
 
 
 def test_round_robin_alternates_and_salts_split_the_prefix():
@@ -53,6 +66,7 @@ def test_round_robin_alternates_and_salts_split_the_prefix():
     assert [r.route(str(i), [1] * 40) for i in range(4)] == [0, 1, 0, 1]
     p = DPRouter(2, 16, [100, 100])
     x = p.route("x", list(range(64)), cache_salt="alice")
+    p.prefill_done("x")
     p.finish("x")
     assert p._match(p.replicas[x], p.block_hashes(list(range(64)), "bob")) == 0
     assert p._match(p.replicas[x], p.block_hashes(list(range(64)), "alice")) == 4

@@ -660,10 +660,9 @@ class AsyncLLM:
         for out in outs:
             self.metrics.record_output(out, now)
             if self.router is not None:
+                self.router.prefill_done(out.request_id)
                 if out.finished:
                     self.router.finish(out.request_id)
-                else:
-                    self.router.prefill_done(out.request_id)
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

@@ -15,19 +15,24 @@ order and bounded by the worker's cache size) done on **vLLM's chained block has
 (:func:`tinyvllm.core.kv_cache_manager.hash_block_tokens`, so a "match" is a whole KV block the engine can
 reuse, ``cache_salt`` included). For each replica ``i`` the cost of sending it the request is Dynamo's::
 
-    cost_i = w * (new prefill blocks of this request on i + prefill blocks still pending on i)
-             + blocks held by the requests running on i
+    cost_i = w * (prefill blocks this request would compute on i) + blocks held by the requests running on i
 
-where the new prefill blocks are the prompt's full blocks minus the leading run replica ``i`` is predicted to
-hold, and ``w`` = :data:`PREFILL_WEIGHT` (Dynamo's ``kv_overlap_score_weight``, its default 1.0). The replica of
-least cost wins; ties go to the fewest outstanding requests and then round-robin, so an idle server spreads
-new sessions. The load part alone is vLLM's DP load balancer (``DPLBAsyncMPClient``: the engine with the
-least queued work); the prefix part keeps an agent session's turns on the replica that holds its history
-unless that replica is so much busier that recomputing elsewhere is cheaper.
+where the prefill blocks are the prompt's blocks minus the leading run replica ``i`` is predicted to hold, and
+``w`` is Dynamo's ``kv_overlap_score_weight`` (``TINYVLLM_DP_PREFILL_WEIGHT``: 16 here, 1 in Dynamo). Dynamo
+counts a running request's blocks as its decode cost, which on a GPU is memory traffic; on a CPU a prefill
+token costs far more than one more sequence in the decode batch, and with a small ``w`` an agent's turn left
+the replica holding its history whenever another session ran there (measured, docs/parallelism.md). The
+replica of least cost wins; ties go to the fewest outstanding requests, then round-robin, so an idle server
+spreads new sessions. The load part alone is vLLM's DP load balancing (the engine with the least work); the
+prefix part keeps an agent session's turns on the replica that holds its history unless that replica is so
+much busier that recomputing elsewhere is cheaper.
 
-The prediction can be wrong (a replica evicted blocks, or never cached a prompt that was aborted): a
-misroute only costs recomputation, never a wrong token. ``round-robin`` and ``least-loaded`` (fewest
-outstanding requests, vLLM's default policy without a prefix part) are there to compare against.
+A request's blocks enter its replica's prediction once its prefill is done (its first output), not when it is
+routed (SGLang inserts at routing time): requests that arrive together with the same new prefix would all
+follow the first to one replica before any of it is cached (vllm-router's ``cache_aware`` put a whole agent
+run on one replica that way, docs/benchmarks.md). The prediction can still be wrong (a replica evicted blocks):
+a misroute only costs recomputation, never a wrong token. ``round-robin`` and ``least-loaded`` (fewest
+outstanding requests) are there to compare against.
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ from typing import Sequence
 
 import msgspec
 
-from tinyvllm.config import EngineConfig, KVEventsConfig
+from tinyvllm import envs
+from tinyvllm.config import EngineConfig
 from tinyvllm.metrics.stats import SchedulerStats
 
-PREFILL_WEIGHT = 4.0  # a prefill block costs this many active (decode) blocks; Dynamo's kv_overlap_score_weight
 
 
 def check_data_parallel(config: EngineConfig) -> None:
@@ -156,15 +161,14 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
 @dataclass
 class _Routed:
     replica: int
-    pending_blocks: float  # prefill blocks this request still has to compute (0 after its first output)
     active_blocks: int  # blocks it holds while it runs (its prompt's)
+    hashes: list[int] | None  # its prompt's block hashes until its prefill is done (then in the prediction)
 
 
 @dataclass
 class _ReplicaLoad:
     cached: "OrderedDict[int, None]" = field(default_factory=OrderedDict)  # predicted prefix cache, LRU order
     capacity: int = 0
-    pending_blocks: float = 0.0
     active_blocks: int = 0
     outstanding: int = 0
     routed: int = 0  # requests sent here since start
@@ -190,6 +194,7 @@ class DPRouter:
         self.caching = enable_prefix_caching
         self.replicas = [_ReplicaLoad(capacity=max(1, c)) for c in capacities]
         self.requests: dict[str, _Routed] = {}
+        self.prefill_weight = envs.TINYVLLM_DP_PREFILL_WEIGHT
         self._next = 0  # round-robin cursor (also the tie-break's start)
 
     # ------------------------------------------------------------------ routing
@@ -215,44 +220,32 @@ class DPRouter:
 
     def route(self, request_id: str, prompt_token_ids: Sequence[int], cache_salt: str | None = None,
               pinned: int | None = None) -> int:
-        """The replica for a request, recorded until :meth:`finish`; ``pinned`` forces one (a client's
-        ``X-data-parallel-rank``, vLLM's header)."""
+        """The replica for a request, recorded until :meth:`finish`; ``pinned`` forces one (a caller's
+        ``data_parallel_rank``)."""
         num_blocks = -(-len(prompt_token_ids) // self.block_size)
-        hashes = self.block_hashes(prompt_token_ids, cache_salt) if self.caching and self.policy == "prefix" else []
-        matches = [self._match(r, hashes) for r in self.replicas] if hashes else [0] * self.n
-        start = self._next
-        order = [(start + k) % self.n for k in range(self.n)]
+        max_hit = max(0, (len(prompt_token_ids) - 1) // self.block_size)  # one token is always computed
+        hashes = self.block_hashes(prompt_token_ids, cache_salt) if self.caching else []
+        matches = [min(self._match(r, hashes), max_hit) for r in self.replicas] if hashes else [0] * self.n
+        order = [(self._next + k) % self.n for k in range(self.n)]
         if pinned is not None:
             best = pinned
         elif self.policy == "round-robin":
-            best = start
+            best = self._next
         elif self.policy == "least-loaded":
             best = min(order, key=lambda i: self.replicas[i].outstanding)
         else:
-            max_hit = max(0, (len(prompt_token_ids) - 1) // self.block_size)
-
             def cost(i: int) -> tuple[float, int]:
                 r = self.replicas[i]
-                new = num_blocks - min(matches[i], max_hit)
-                return PREFILL_WEIGHT * (new + r.pending_blocks) + r.active_blocks, r.outstanding
+                return self.prefill_weight * (num_blocks - matches[i]) + r.active_blocks, r.outstanding
 
             best = min(order, key=cost)  # min keeps the first of equals: the round-robin order breaks ties
         self._next = (self._next + 1) % self.n
         r = self.replicas[best]
-        hit = min(matches[best], max(0, (len(prompt_token_ids) - 1) // self.block_size))
-        new = num_blocks - hit
-        self.requests[request_id] = _Routed(best, float(new), num_blocks)
-        r.pending_blocks += new
+        self.requests[request_id] = _Routed(best, num_blocks, hashes or None)
         r.active_blocks += num_blocks
         r.outstanding += 1
         r.routed += 1
-        r.predicted_hit_blocks += hit
-        if self.caching and hashes:  # SGLang inserts at routing time: the engine caches these blocks next
-            for h in hashes:
-                r.cached[h] = None
-                r.cached.move_to_end(h)
-            while len(r.cached) > r.capacity:
-                r.cached.popitem(last=False)
+        r.predicted_hit_blocks += matches[best]
         return best
 
     def replica_of(self, request_id: str) -> int | None:
@@ -260,15 +253,22 @@ class DPRouter:
         return None if routed is None else routed.replica
 
     def prefill_done(self, request_id: str) -> None:
-        """The request's first output arrived: its prefill no longer counts as pending work."""
+        """The request's first output arrived: its prompt's blocks are in its replica's cache now (predicted,
+        most recently used first)."""
         routed = self.requests.get(request_id)
-        if routed is not None and routed.pending_blocks:
-            self.replicas[routed.replica].pending_blocks -= routed.pending_blocks
-            routed.pending_blocks = 0.0
+        if routed is None or routed.hashes is None:
+            return
+        r = self.replicas[routed.replica]
+        for h in routed.hashes:
+            r.cached[h] = None
+            r.cached.move_to_end(h)
+        while len(r.cached) > r.capacity:
+            r.cached.popitem(last=False)
+        routed.hashes = None
 
     def finish(self, request_id: str) -> int | None:
-        """The request finished or was aborted: drop its load; returns its replica (None if unknown)."""
-        self.prefill_done(request_id)
+        """The request finished or was aborted: drop its load; returns its replica (None if unknown). Call
+        :meth:`prefill_done` first if it produced output (an abort before any output predicts nothing)."""
         routed = self.requests.pop(request_id, None)
         if routed is None:
             return None
