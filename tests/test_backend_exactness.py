@@ -19,7 +19,7 @@ import pytest
 
 from tinyvllm import LLM, SamplingParams
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, assert_no_kv_leak
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -73,12 +73,6 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _no_leak(llm):
-    s = llm.stats()
-    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-    llm.llm_engine.core.scheduler.kv.check_invariants()
-
-
 def test_backend_outputs_invariant(backend_llm):
     base, make = backend_llm
     prompts = _prompts(base)
@@ -93,7 +87,7 @@ def test_backend_outputs_invariant(backend_llm):
     assert _tokens(tight.generate(prompts, GREEDY)) == alone, "preemption changed the outputs"
     assert tight.stats()["num_preemptions"] > 0
     for llm in (base, chunked, tight):
-        _no_leak(llm)
+        assert_no_kv_leak(llm)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
