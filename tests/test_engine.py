@@ -69,16 +69,16 @@ def test_prefix_cache_shared_system_prompt(make_smol_llm):
     llm_off = make_smol_llm(enable_prefix_caching=False)
     tok = llm_on.get_tokenizer()
     rng = random.Random(1)
-    system = [rng.randrange(100, tok.vocab_size) for _ in range(1024)]
+    system = [rng.randrange(100, tok.vocab_size) for _ in range(512)]
     prompts = [{"prompt_token_ids": system + [rng.randrange(100, tok.vocab_size) for _ in range(12 + i)]}
-               for i in range(6)]
+               for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     off = _tokens(llm_off.generate(prompts, sp))
     first = _tokens(llm_on.generate(prompts[:1], sp))
     outs = llm_on.generate(prompts[1:], sp)
     assert first + _tokens(outs) == off
-    assert all(o.num_cached_tokens == 1024 for o in outs)  # 64 full blocks of the system prompt
-    assert llm_on.stats()["prefix_cache_hits"] >= 5 * 1024
+    assert all(o.num_cached_tokens == 512 for o in outs)  # 32 full blocks of the system prompt
+    assert llm_on.stats()["prefix_cache_hits"] >= 3 * 512
     assert_no_kv_leak(llm_on)
     assert_no_kv_leak(llm_off)
 
