@@ -445,6 +445,38 @@ def test_bind_port_zero_reports_the_port(tmp_path):
         sock.close()
 
 
+def test_accepted_connections_have_tcp_nodelay():
+    """The listening socket from ``_bind``, served as uvicorn serves it (``loop.create_server(sock=...)``):
+    each accepted connection has TCP_NODELAY. asyncio sets it only where the socket's proto is IPPROTO_TCP,
+    which a bare ``socket.socket(family, SOCK_STREAM)`` is not (proto 0); without it Nagle + the client's
+    delayed ACK added ~40 ms to every request on a kept-alive connection (measured 44 ms per /health)."""
+    import asyncio
+
+    from tinyvllm.entrypoints.openai.api_server import _bind
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future = loop.create_future()
+
+        class Proto(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await loop.create_server(Proto, sock=_bind("127.0.0.1", 0))
+        try:
+            port = server.sockets[0].getsockname()[1]
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            nodelay = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return nodelay
+        finally:
+            server.close()
+
+    assert asyncio.run(main()) != 0
+
+
 # ----------------------------------------------------------------------------- strict types (issue 41)
 
 _BASES = {  # a valid body of each request model (and its endpoint)

@@ -260,7 +260,11 @@ def _bind(host: str, port: int, port_file: str | None = None) -> socket.socket:
     appears complete or not at all), so a caller learns it without a bind-then-close race.
     Raises ``OSError`` (e.g. EADDRINUSE) if the address cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto
+    # is IPPROTO_TCP (``asyncio.base_events._set_nodelay``), and accepted sockets inherit this one's. Without
+    # it Nagle's algorithm holds each response's second write until the client's delayed ACK (~40 ms on
+    # Linux): every request on a kept-alive connection took >= 40 ms, and stream chunks could stall as long.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
