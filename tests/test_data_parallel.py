@@ -175,6 +175,21 @@ def test_a_shared_long_prefix_lands_on_one_replica_and_hits_its_cache(dp_server)
     assert after[1 - i]["prefix_cache_queries"] == before[1 - i]["prefix_cache_queries"]
 
 
+def test_x_data_parallel_rank_header_pins_the_replica(dp_server):
+    """vLLM's X-data-parallel-rank: the request goes to that replica; a bad value is a 400."""
+    before = _replicas(dp_server)
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})):
+        r = httpx.post(dp_server.base + path, json=body, headers={"X-data-parallel-rank": "1"}, timeout=60)
+        assert r.status_code == 200, r.text
+    after = _replicas(dp_server)
+    assert [a["routed_requests"] - b["routed_requests"] for a, b in zip(after, before)] == [0, 2]
+    for bad in ("2", "one"):
+        r = httpx.post(dp_server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                       headers={"X-data-parallel-rank": bad}, timeout=60)
+        assert r.status_code == 400 and "data_parallel_rank" in r.text.replace("-", "_").lower(), r.text
+
+
 def test_disconnect_frees_blocks_on_its_replica(dp_server):
     body = {"model": "SmolLM2-135M-Instruct", "prompt": f"{uuid.uuid4().hex} Count slowly:", "max_tokens": 400,
             "temperature": 0, "ignore_eos": True, "stream": True}
