@@ -158,26 +158,28 @@ def measure(name: str, url: str, command: str, model: str, out: Path, start_time
     return res
 
 
-ROWS = [  # key, label, higher is better
-    ("c16_out_tok_s", "HTTP, concurrency 16, 64 requests: output tokens/s", True),
-    ("c16_ttft_ms", "HTTP, concurrency 16: median TTFT (ms)", False),
-    ("c1_ttft_ms", "HTTP, one stream: median TTFT, 256-token prompt (ms)", False),
-    ("c1_tpot_ms", "HTTP, one stream: median time per output token (ms)", False),
-    ("prefix_hit_ttft_ms", "shared 1,024-token prefix + 64 new tokens, cache hit: median TTFT (ms)", False),
-    ("start_s", "server start until /health answers (s)", False),
-    ("peak_rss_gb", "peak RSS of the server processes (GB)", False),
-    ("idle_rss_gb", "RSS after start, idle (GB)", False),
-]
+def rows(c16_prompts: int = 64, input_len: int = 256) -> list[tuple[str, str, bool]]:
+    """(key, label, higher is better) of the table, labelled with the run's request count and prompt length."""
+    return [
+        ("c16_out_tok_s", f"HTTP, concurrency 16, {c16_prompts} requests: output tokens/s", True),
+        ("c16_ttft_ms", "HTTP, concurrency 16: median TTFT (ms)", False),
+        ("c1_ttft_ms", f"HTTP, one stream: median TTFT, {input_len}-token prompt (ms)", False),
+        ("c1_tpot_ms", "HTTP, one stream: median time per output token (ms)", False),
+        ("prefix_hit_ttft_ms", "shared 1,024-token prefix + 64 new tokens, cache hit: median TTFT (ms)", False),
+        ("start_s", "server start until /health answers (s)", False),
+        ("peak_rss_gb", "peak RSS of the server processes (GB)", False),
+        ("idle_rss_gb", "RSS after start, idle (GB)", False),
+    ]
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], row_specs: list[tuple[str, str, bool]] | None = None) -> str:
     ref = results[0]
     head = "| figure | " + " | ".join(r["server"] for r in results) + " | " + \
         " | ".join(f"{ref['server']} vs {r['server']}" for r in results[1:]) + " |"
     if len(results) == 1:
         head = f"| figure | {ref['server']} |"
     lines = [head, "|" + "---|" * (1 + len(results) + len(results) - 1)]
-    for key, label, higher in ROWS:
+    for key, label, higher in row_specs or rows():
         vals = [r.get(key) for r in results]
         cells = [f"{v:,.1f}" if isinstance(v, float) and v >= 10 else (f"{v:.2f}" if isinstance(v, float) else "—")
                  for v in vals]
@@ -216,7 +218,7 @@ def main() -> None:
             print(f"!! {name}: {type(e).__name__}: {e}", file=sys.stderr)
             results.append({"server": name, "command": command, "error": f"{type(e).__name__}: {e}"})
         (out / "results.json").write_text(json.dumps(results, indent=2))
-    md = table(results)
+    md = table(results, rows(args.c16_prompts, args.input_len))
     (out / "side_by_side.md").write_text(md + "\n")
     print(md)
 

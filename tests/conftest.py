@@ -76,3 +76,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     seed = getattr(config.option, "randomly_seed", None)
     if isinstance(seed, int) and config.pluginmanager.hasplugin("randomly"):
         terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
+
+
+def assert_no_kv_leak(llm) -> None:
+    """After its requests finished: the engine owns no KV block, runs and queues no request, and the KV
+    manager's invariants hold (free queue, ref counts, prefix-cache map)."""
+    s = llm.stats()
+    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0, s
+    llm.llm_engine.core.scheduler.kv.check_invariants()

@@ -19,8 +19,8 @@ def test_engine_args_cover_every_config_field_once_with_its_default():
     seen: list[str] = []
     for klass in CONFIGS:
         for f in dataclasses.fields(klass):
-            if klass is ParallelConfig and f.name == "torchrun_rank":
-                continue  # from torchrun's environment (RANK), not a flag
+            if klass is ParallelConfig and f.name in ("torchrun_rank", "data_parallel_rank"):
+                continue  # from torchrun's environment (RANK) / set per replica by the API process, not flags
             assert f.name in args, f"{klass.__name__}.{f.name} has no EngineArgs field"
             assert args[f.name].default == f.default, f.name
             seen.append(f.name)

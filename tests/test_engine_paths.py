@@ -9,17 +9,11 @@ import pytest
 
 from tinyvllm import SamplingParams
 
-from conftest import CHAT_PROMPTS
+from conftest import CHAT_PROMPTS, assert_no_kv_leak
 
 
 def _chat(llm, text):
     return {"prompt_token_ids": llm.llm_engine.chat_prompt_ids([{"role": "user", "content": text}])}
-
-
-def _no_leak(llm):
-    s = llm.stats()
-    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-    llm.llm_engine.core.scheduler.kv.check_invariants()
 
 
 def test_min_tokens_bans_eos_until_reached(smol_llm):
@@ -33,7 +27,7 @@ def test_min_tokens_bans_eos_until_reached(smol_llm):
     assert not eos & set(out.token_ids[: n - 1])  # no EOS before min_tokens (the n-th may end it)
     # Greedy: identical up to the point where the free run chose EOS.
     assert out.token_ids[: len(free.token_ids) - 1] == free.token_ids[:-1]
-    _no_leak(smol_llm)
+    assert_no_kv_leak(smol_llm)
 
 
 def test_stop_token_ids_end_generation(smol_llm):
@@ -45,7 +39,7 @@ def test_stop_token_ids_end_generation(smol_llm):
                                                    stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == free.token_ids[: first + 1]
-    _no_leak(smol_llm)
+    assert_no_kv_leak(smol_llm)
 
 
 def test_skip_special_tokens_false_keeps_them_in_text(smol_llm):
@@ -74,7 +68,7 @@ def test_seeded_sampling_identical_across_preemption(make_smol_llm):
     got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
     assert tight.stats()["num_preemptions"] > 0
     assert got == ref
-    _no_leak(tight)
+    assert_no_kv_leak(tight)
 
 
 def test_preemption_with_prefix_caching(make_smol_llm):
@@ -89,4 +83,4 @@ def test_preemption_with_prefix_caching(make_smol_llm):
     s = tight.stats()
     assert s["num_preemptions"] > 0 and s["cached_prompt_tokens"] > 0
     assert got == ref
-    _no_leak(tight)
+    assert_no_kv_leak(tight)

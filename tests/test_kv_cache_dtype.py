@@ -20,6 +20,7 @@ from tinyvllm.attention import kv_quant
 from tinyvllm.config import EngineArgs
 from tinyvllm.kernels.cpu import cpu_kernels
 from tinyvllm.worker.model_runner import check_kv_cache_dtype
+from conftest import assert_no_kv_leak
 
 KINDS = ["int8", "fp8"]
 K = cpu_kernels()
@@ -256,12 +257,6 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _no_leak(llm):
-    s = llm.stats()
-    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
-    llm.llm_engine.core.scheduler.kv.check_invariants()
-
-
 def _invariance(make_smol_llm, kind):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     base = make_smol_llm(kv_cache_dtype=kind)
@@ -276,7 +271,7 @@ def _invariance(make_smol_llm, kind):
     assert _tokens(small.generate(prompts, sp)) == alone
     assert small.stats()["num_preemptions"] > 0
     for llm in (base, chunked, small):
-        _no_leak(llm)
+        assert_no_kv_leak(llm)
 
 
 @needs_kernels
@@ -309,7 +304,7 @@ def test_int8_blocks_and_scales_survive_the_offload_tier_and_disk(make_smol_llm,
         if kind == "int8":
             ref = make_smol_llm(kv_cache_dtype="int8").generate({"prompt_token_ids": turn2}, sp)[0]
             assert o2.outputs[0].token_ids == ref.outputs[0].token_ids
-        _no_leak(b)
+        assert_no_kv_leak(b)
         del b
 
 

@@ -439,6 +439,9 @@ class SchedulerConfig:
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+DP_ROUTING_POLICIES = ("prefix", "round-robin", "least-loaded")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split over processes (vLLM's ``ParallelConfig``; docs/parallelism.md).
@@ -454,6 +457,13 @@ class ParallelConfig:
             ``127.0.0.1`` and, on one node, a free port, else 29500).
         torchrun_rank: set from torchrun's ``RANK`` / ``WORLD_SIZE`` environment (one process per rank,
             started by torchrun): this process's rank, else ``None``.
+        data_parallel_size: full replicas of the engine behind one API server (``--data-parallel-size`` /
+            ``-dp``, vLLM's flag; ``tinyvllm serve`` only): N engine-core processes, each with its own KV cache
+            and prefix cache (:mod:`tinyvllm.engine.data_parallel`).
+        data_parallel_rank: which replica this engine core is (set by the API process for each core it starts).
+        data_parallel_routing: how the API process picks a replica for a request: ``prefix`` (the replica
+            holding the longest prefix of the prompt's blocks, weighed against its load), ``round-robin``,
+            ``least-loaded``.
     """
 
     tensor_parallel_size: int = 1
@@ -462,9 +472,20 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     torchrun_rank: int | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_routing: str = "prefix"
 
     def __post_init__(self) -> None:
         tp, n = self.tensor_parallel_size, self.nnodes
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in 0..{self.data_parallel_size - 1}, "
+                             f"got {self.data_parallel_rank}")
+        if self.data_parallel_routing not in DP_ROUTING_POLICIES:
+            raise ValueError(f"data_parallel_routing must be one of {', '.join(DP_ROUTING_POLICIES)}, "
+                             f"got {self.data_parallel_routing!r}")
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         if n < 1:
@@ -649,7 +670,8 @@ class EngineConfig:
 _CONFIG_PARTS = (ModelConfig, CacheConfig, SchedulerConfig)  # each EngineArgs field goes to exactly one
 
 
-_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}  # vLLM's short flags
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),  # vLLM's short flags
+                 "data_parallel_routing": ("--dp-routing",)}
 
 
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -737,7 +759,17 @@ class EngineArgs:
                                             "(torchrun's flag)")
     master_port: int | None = _option(ParallelConfig.master_port, "port of the group's store on --master-addr (torchrun's flag; "
                                             "default: a free port on one node, 29500 across nodes)")
-    # A server option (the offline engine has no waiting-queue bound): its flag is in ``serve``'s server group.
+    # Server options (the offline engine has no waiting-queue bound, one engine core): ``serve``'s server group.
+    data_parallel_size: int = _option(ParallelConfig.data_parallel_size,
+                                      "engine replicas behind this one API server (vLLM's flag, also -dp): N "
+                                      "engine-core processes, each with its own KV cache and prefix cache and "
+                                      "cores/N threads; requests go to the replica holding the longest prefix of "
+                                      "their prompt, weighed against its load (docs/parallelism.md)",
+                                      group="server")
+    data_parallel_routing: str = _option(ParallelConfig.data_parallel_routing,
+                                         "with --data-parallel-size > 1: prefix (prefix-cache aware, the default), "
+                                         "round-robin, or least-loaded (fewest outstanding requests)",
+                                         choices=DP_ROUTING_POLICIES, group="server")
     max_waiting_requests: int | None = _option(SchedulerConfig.max_waiting_requests,
                                                "answer 503 while this many requests are waiting for the engine "
                                                "(none: unbounded)", group="server")
@@ -792,7 +824,8 @@ class EngineArgs:
                  for klass in _CONFIG_PARTS]
         parallel = ParallelConfig.from_torchrun_env(
             tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes, node_rank=self.node_rank,
-            master_addr=self.master_addr, master_port=self.master_port)
+            master_addr=self.master_addr, master_port=self.master_port,
+            data_parallel_size=self.data_parallel_size, data_parallel_routing=self.data_parallel_routing)
         return EngineConfig(*parts, speculative_config=SpeculativeConfig.parse(self.speculative_config),
                             parallel_config=parallel)
 

@@ -17,6 +17,7 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_KV_ABORT_REQUEST_TIMEOUT`` | ``480`` | seconds a prefill engine (``--kv-transfer-config``) keeps the KV blocks of a finished ``do_remote_decode`` request that no decode engine pulls; then they are freed (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, also read when this is unset) |
 | ``TINYVLLM_DIST_TIMEOUT`` | ``1800`` | seconds a tensor-parallel rank waits in one ``torch.distributed`` call (joining the group, a collective) before it fails; a peer that dies fails the call at once (docs/parallelism.md) |
 | ``TINYVLLM_MAX_N_SEQUENCES`` | ``128`` | the largest ``n`` (samples per prompt, and per request) the server accepts (vLLM's ``VLLM_MAX_N_SEQUENCES``, 16384 there; lower here since a CPU engine creates every sample's state up front) |
+| ``TINYVLLM_DP_PREFILL_WEIGHT`` | ``16`` | ``--data-parallel-size`` > 1 with ``--dp-routing prefix``: what one prefill block to compute weighs against one block held by a running request in the router's cost (NVIDIA Dynamo's ``kv_overlap_score_weight``, 1 there; higher keeps a conversation on the replica holding its history longer, lower balances the load sooner; docs/parallelism.md) |
 | ``TINYVLLM_KERNEL_ISA`` | ``native`` | which instruction set the C++ CPU kernels are compiled for: ``native`` (``-march=native``: AVX-512 / AMX where the CPU has them) or ``avx2`` (``-march=haswell``: AVX2 + FMA + F16C, no AVX-512, built as a separately named extension) to run the AVX2 paths on an AVX-512 machine (tests, ``scripts/kernel_bits.py``) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
@@ -51,6 +52,7 @@ _VARS: dict[str, Callable[[], Any]] = {
                                                        or os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT") or 480),
     "TINYVLLM_DIST_TIMEOUT": lambda: float(os.environ.get("TINYVLLM_DIST_TIMEOUT") or 1800),
     "TINYVLLM_MAX_N_SEQUENCES": lambda: int(os.environ.get("TINYVLLM_MAX_N_SEQUENCES") or 128),
+    "TINYVLLM_DP_PREFILL_WEIGHT": lambda: float(os.environ.get("TINYVLLM_DP_PREFILL_WEIGHT") or 16),
     "TINYVLLM_KERNEL_ISA": lambda: (os.environ.get("TINYVLLM_KERNEL_ISA") or "native").lower(),
 }
 

@@ -153,8 +153,27 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
+class _Replica:
+    """One engine core process and its two sockets (``--data-parallel-size`` N: N of these)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.in_sock: zmq.Socket | None = None
+        self.out_sock: zmq.asyncio.Socket | None = None
+        self.info: EngineCoreReady | None = None
+        self.stats = SchedulerStats()
+        self.num_sent = 0
+        self.task: asyncio.Task | None = None
+
+    @property
+    def name(self) -> str:
+        return f"data-parallel replica {self.index}"
+
+
 class AsyncLLM:
-    """Front end of an engine core process.
+    """Front end of the engine core process (or, with ``data_parallel_size`` N, of N replicas: each request
+    goes to one, chosen by :class:`~tinyvllm.engine.data_parallel.DPRouter`; the death of any one ends them all).
 
     Args:
         config: engine configuration (the core process builds its EngineCore from it).
@@ -164,10 +183,17 @@ class AsyncLLM:
 
     Raises:
         ModelNotFoundError: the model cannot be found (raised here, in the API process).
+        ValueError: a data-parallel size this machine or these options cannot run (one line).
     """
+
+    data_parallel_size = 1  # replicas (class defaults: an instance made without __init__ has one, no router)
+    router = None  # a DPRouter once started, with data_parallel_size > 1
 
     def __init__(self, config: EngineConfig, served_model_name: str | None = None, log_level: str = "INFO",
                  start_timeout: float = DEFAULT_START_TIMEOUT_S, *, launch: bool = False) -> None:
+        from tinyvllm.engine.data_parallel import check_data_parallel
+
+        check_data_parallel(config)
         self.config = config
         self.log_level = log_level
         self.start_timeout = start_timeout
@@ -179,18 +205,17 @@ class AsyncLLM:
         self.eos_token_ids: list[int] = []
         self.engine_info: EngineCoreReady | None = None
         self.stats = SchedulerStats()
+        self.data_parallel_size = config.parallel_config.data_parallel_size
+        self._replicas = [_Replica(i) for i in range(self.data_parallel_size)]
         self._queues: dict[str, asyncio.Queue] = {}
         self._num_sent = 0
         self._accepting = False
         self._dead: BaseException | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
         self._tmpdir: str | None = None
         self._sync_ctx: zmq.Context | None = None
         self._async_ctx: zmq.asyncio.Context | None = None
-        self._in_sock: zmq.Socket | None = None
-        self._out_sock: zmq.asyncio.Socket | None = None
-        self._output_task: asyncio.Task | None = None
         self._stopped = False
+        self._launched = False
         self._launched_at = 0.0
         # Called (in the event loop) once the core has died; the server uses it to exit.
         self.on_dead: Callable[[BaseException], None] | None = None
@@ -208,15 +233,34 @@ class AsyncLLM:
 
             self.tokenizer = load_tokenizer(self.resolved.model_dir)
             self.processor = OutputProcessor(self.tokenizer)
-            self.metrics = ServerMetrics(self.model_name)
+            self.metrics = ServerMetrics(self.model_name, num_engines=self.data_parallel_size)
         except BaseException:
             self.close(timeout=2.0)  # no core process left behind
             raise
 
     # ------------------------------------------------------------------ lifecycle
+    # (replica 0's process and sockets under their single-engine names)
+    @property
+    def _proc(self) -> multiprocessing.process.BaseProcess | None:
+        return self._replicas[0].proc
+
+    @property
+    def _in_sock(self) -> zmq.Socket | None:
+        return self._replicas[0].in_sock
+
+    @_in_sock.setter
+    def _in_sock(self, sock: Any) -> None:
+        self._replicas[0].in_sock = sock
+
     @property
     def engine_pid(self) -> int | None:
+        """The (first) engine core's pid."""
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def engine_pids(self) -> list[int | None]:
+        """Every replica's engine core pid (one entry without data parallelism)."""
+        return [r.proc.pid if r.proc is not None else None for r in self._replicas]
 
     @property
     def accepting(self) -> bool:
@@ -225,71 +269,106 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._proc is not None and self._proc.is_alive()
+        """Every engine core is alive (one dead replica is a dead engine: the server exits)."""
+        return self._dead is None and all(r.proc is not None and r.proc.is_alive() for r in self._replicas)
 
     def launch(self) -> None:
-        """Bind the two ``ipc://`` sockets and spawn the core process (it connects and loads the model);
-        returns at once. Idempotent; :meth:`start` calls it if it has not run."""
-        if self._proc is not None:
+        """Bind two ``ipc://`` sockets per engine core and spawn the core process(es) (each connects and
+        loads the model); returns at once. Idempotent; :meth:`start` calls it if it has not run."""
+        if self._launched:
             return
+        self._launched = True
+        from tinyvllm.engine.data_parallel import replica_config, replica_threads
+
         self._tmpdir = tempfile.mkdtemp(prefix="tinyvllm-ipc-")
-        in_addr = f"ipc://{self._tmpdir}/input"
-        out_addr = f"ipc://{self._tmpdir}/output"
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
-        self._in_sock = self._sync_ctx.socket(zmq.PUSH)
-        self._in_sock.setsockopt(zmq.SNDHWM, 0)
-        self._in_sock.setsockopt(zmq.LINGER, 0)
-        self._in_sock.bind(in_addr)
-        self._out_sock = self._async_ctx.socket(zmq.PULL)
-        self._out_sock.setsockopt(zmq.RCVHWM, 0)
-        self._out_sock.setsockopt(zmq.LINGER, 0)
-        self._out_sock.bind(out_addr)
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=run_engine_core, name="EngineCore",
-                                args=(self.config, self.resolved, in_addr, out_addr, os.getpid(), self.log_level))
-        self._proc.start()
+        threads = replica_threads(self.config)
+        dp = self.data_parallel_size
+        for r in self._replicas:
+            suffix = str(r.index) if dp > 1 else ""
+            in_addr = f"ipc://{self._tmpdir}/input{suffix}"
+            out_addr = f"ipc://{self._tmpdir}/output{suffix}"
+            r.in_sock = self._sync_ctx.socket(zmq.PUSH)
+            r.in_sock.setsockopt(zmq.SNDHWM, 0)
+            r.in_sock.setsockopt(zmq.LINGER, 0)
+            r.in_sock.bind(in_addr)
+            r.out_sock = self._async_ctx.socket(zmq.PULL)
+            r.out_sock.setsockopt(zmq.RCVHWM, 0)
+            r.out_sock.setsockopt(zmq.LINGER, 0)
+            r.out_sock.bind(out_addr)
+            args: tuple = (replica_config(self.config, r.index), self.resolved, in_addr, out_addr, os.getpid(),
+                           self.log_level)
+            if dp > 1:
+                args += (threads, r.index)
+            r.proc = mp.Process(target=run_engine_core, name="EngineCore" + (f"_DP{r.index}" if dp > 1 else ""),
+                                args=args)
+            r.proc.start()
         self._launched_at = time.monotonic()
-        logger.info("engine core process started (pid %d); loading %s", self._proc.pid, self.resolved.model_dir)
+        if dp > 1:
+            logger.info("%d engine core processes started (pids %s, %d threads each); loading %s", dp,
+                        ", ".join(str(p) for p in self.engine_pids), threads, self.resolved.model_dir)
+        else:
+            logger.info("engine core process started (pid %d); loading %s", self._proc.pid, self.resolved.model_dir)
 
     async def start(self, should_cancel: Callable[[], bool] | None = None) -> None:
-        """Start the core process (unless :meth:`launch` did) and wait until it reports ready.
+        """Start the core process(es) (unless :meth:`launch` did) and wait until every one reports ready.
 
         Raises:
-            EngineStartError: the core failed to load, exited, or did not become ready in time.
+            EngineStartError: a core failed to load, exited, or did not become ready in time.
             EngineStartCancelled: ``should_cancel()`` turned true while waiting.
         """
         self.launch()
-        assert self._proc is not None and self._out_sock is not None
         deadline = self._launched_at + self.start_timeout
-        while True:
-            if await self._out_sock.poll(100):
-                tag, payload = await self._out_sock.recv_multipart()
-                if tag == READY_TAG:
-                    self.engine_info = self._ready_decoder.decode(payload)
-                    break
-                if tag == ERROR_TAG:
-                    raise EngineStartError(f"engine core failed to start: {self._error_decoder.decode(payload).message}")
-                continue
-            if not self._proc.is_alive():
-                raise EngineStartError(f"engine core process exited with code {self._proc.exitcode} during "
-                                       "start-up (see its log above)")
-            if should_cancel is not None and should_cancel():
-                raise EngineStartCancelled("start-up interrupted")
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"engine core did not become ready within {self.start_timeout:.0f}s")
-        info = self.engine_info
-        self.max_model_len = info.max_model_len
+        dp = self.data_parallel_size
+        for r in self._replicas:
+            assert r.proc is not None and r.out_sock is not None
+            who = f"{r.name}: " if dp > 1 else ""
+            while True:
+                if await r.out_sock.poll(100):
+                    tag, payload = await r.out_sock.recv_multipart()
+                    if tag == READY_TAG:
+                        r.info = self._ready_decoder.decode(payload)
+                        break
+                    if tag == ERROR_TAG:
+                        raise EngineStartError(f"{who}engine core failed to start: "
+                                               f"{self._error_decoder.decode(payload).message}")
+                    continue
+                if not r.proc.is_alive():
+                    raise EngineStartError(f"{who}engine core process exited with code {r.proc.exitcode} during "
+                                           "start-up (see its log above)")
+                for other in self._replicas:  # a replica that fails while another still loads
+                    if other is not r and other.info is None and other.proc is not None and not other.proc.is_alive():
+                        raise EngineStartError(f"{other.name}: engine core process exited with code "
+                                               f"{other.proc.exitcode} during start-up (see its log above)")
+                if should_cancel is not None and should_cancel():
+                    raise EngineStartCancelled("start-up interrupted")
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"{who}engine core did not become ready within {self.start_timeout:.0f}s")
+        info = self.engine_info = self._replicas[0].info
+        self.max_model_len = min(r.info.max_model_len for r in self._replicas)
         self.vocab_size = info.vocab_size
         from tinyvllm.engine.tokenizer import eos_token_ids
 
         self.eos_token_ids = eos_token_ids(self.tokenizer, types.SimpleNamespace(eos_token_id=info.eos_token_id))
-        self.stats = SchedulerStats(kv_blocks_total=info.num_kv_blocks)
-        self.metrics.update_from_stats(self.stats)
+        for r in self._replicas:
+            r.stats = SchedulerStats(kv_blocks_total=r.info.num_kv_blocks)
+            self.metrics.update_from_stats(r.stats, engine=r.index)
+        self._refresh_stats()
+        if dp > 1:
+            from tinyvllm.engine.data_parallel import DPRouter
+
+            pc = self.config.parallel_config
+            self.router = DPRouter(dp, info.block_size, [r.info.num_kv_blocks for r in self._replicas],
+                                   pc.data_parallel_routing, self.config.cache_config.enable_prefix_caching)
         self._accepting = True
-        self._output_task = asyncio.create_task(self._output_loop(), name="tinyvllm-output-loop")
-        logger.info("engine core ready: max_model_len %d, %d KV blocks x %d tokens", self.max_model_len,
-                    info.num_kv_blocks, info.block_size)
+        for r in self._replicas:
+            r.task = asyncio.create_task(self._output_loop(r), name=f"tinyvllm-output-loop-{r.index}")
+        logger.info("engine core ready: max_model_len %d, %d KV blocks x %d tokens%s", self.max_model_len,
+                    info.num_kv_blocks, info.block_size,
+                    f" per replica, {dp} replicas (routing: {self.config.parallel_config.data_parallel_routing})"
+                    if dp > 1 else "")
 
     def begin_shutdown(self, reason: str = "the server is shutting down") -> None:
         """Stop accepting requests and end every in-flight request with :class:`EngineShutdownError`."""
@@ -297,50 +376,56 @@ class AsyncLLM:
         self._fail_all(EngineShutdownError(reason))
 
     async def shutdown(self, timeout: float = 5.0) -> None:
-        """End in-flight requests, stop the output task, stop the core process (join, then kill)."""
-        if self._output_task is not None:
-            self._output_task.cancel()
-            try:
-                await self._output_task
-            except BaseException:  # noqa: BLE001 - cancelled or already failed
-                pass
-            self._output_task = None
+        """End in-flight requests, stop the output task(s), stop the core process(es) (join, then kill)."""
+        for r in self._replicas:
+            if r.task is not None:
+                r.task.cancel()
+                try:
+                    await r.task
+                except BaseException:  # noqa: BLE001 - cancelled or already failed
+                    pass
+                r.task = None
         self.begin_shutdown()
         await asyncio.to_thread(self._stop_process, timeout)
         self._close_sockets()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Synchronous shutdown (no event loop needed): stop the core process, close sockets. Idempotent."""
+        """Synchronous shutdown (no event loop needed): stop the core process(es), close sockets. Idempotent."""
         self._accepting = False
         self._stop_process(timeout)
         self._close_sockets()
 
     def _stop_process(self, timeout: float) -> None:
-        """Tell the core to exit and join it; terminate, then kill, if it does not."""
-        proc = self._proc
-        if proc is None or self._stopped:
+        """Tell every core to exit and join them; terminate, then kill, any that does not."""
+        if self._stopped or not self._launched:
             return
         self._stopped = True
-        if proc.is_alive():
-            if self.engine_info is not None:
-                self._send(EngineCoreRequestType.SHUTDOWN, b"", raise_if_dead=False)
-            else:  # still loading: it reads no messages yet
-                proc.terminate()
-            proc.join(timeout)
+        live = [r for r in self._replicas if r.proc is not None]
+        for r in live:  # all told first: the replicas stop in parallel
+            if r.proc.is_alive():
+                if r.info is not None:
+                    self._send(EngineCoreRequestType.SHUTDOWN, b"", raise_if_dead=False, replica=r.index)
+                else:  # still loading: it reads no messages yet
+                    r.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for r in live:
+            proc = r.proc
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
-                logger.warning("engine core did not exit in %.1fs; terminating", timeout)
+                logger.warning("engine core %d did not exit in %.1fs; terminating", proc.pid, timeout)
                 proc.terminate()
                 proc.join(2.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
-        logger.info("engine core process %d exited (code %s)", proc.pid, proc.exitcode)
+            logger.info("engine core process %d exited (code %s)", proc.pid, proc.exitcode)
 
     def _close_sockets(self) -> None:
-        for sock in (self._in_sock, self._out_sock):
-            if sock is not None:
-                sock.close(0)
-        self._in_sock = self._out_sock = None
+        for r in self._replicas:
+            for sock in (r.in_sock, r.out_sock):
+                if sock is not None:
+                    sock.close(0)
+            r.in_sock = r.out_sock = None
         for ctx in (self._sync_ctx, self._async_ctx):
             if ctx is not None:
                 ctx.term()
@@ -350,12 +435,13 @@ class AsyncLLM:
             self._tmpdir = None
 
     # ------------------------------------------------------------------ requests
-    def _send(self, kind: EngineCoreRequestType, payload: Any, raise_if_dead: bool = True) -> None:
+    def _send(self, kind: EngineCoreRequestType, payload: Any, raise_if_dead: bool = True, replica: int = 0) -> None:
         data = payload if isinstance(payload, bytes) else encode(payload)
+        sock = self._in_sock if replica == 0 else self._replicas[replica].in_sock
         try:
-            if self._in_sock is None:
+            if sock is None:
                 raise zmq.Again()
-            self._in_sock.send_multipart([kind.value, data], flags=zmq.NOBLOCK)
+            sock.send_multipart([kind.value, data], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # no connected peer: the core is gone
             if raise_if_dead:
                 raise EngineDeadError(f"cannot reach the engine core ({e})") from e
@@ -370,9 +456,11 @@ class AsyncLLM:
         check_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size, check_max_tokens=True)
 
     def num_waiting_estimate(self) -> int:
-        """Sequences waiting in the core (last snapshot) plus those sent since the core last reported."""
-        in_transit = self._num_sent - self.stats.num_added
-        return self.stats.num_waiting + max(0, in_transit)
+        """Sequences waiting in the core(s) (last snapshot) plus those sent since each core last reported."""
+        if self.data_parallel_size == 1:
+            in_transit = self._num_sent - self.stats.num_added
+            return self.stats.num_waiting + max(0, in_transit)
+        return sum(r.stats.num_waiting + max(0, r.num_sent - r.stats.num_added) for r in self._replicas)
 
     def check_admission(self) -> None:
         """Raise :class:`EngineDeadError` / :class:`EngineShutdownError` / :class:`EngineOverloadedError`
@@ -390,13 +478,14 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, *, checked: bool = False, prefix_cache_debug: bool = False,
-                    user: str | None = None) -> RequestStream:
+                    user: str | None = None, data_parallel_rank: int | None = None) -> RequestStream:
         """Validate (unless ``checked``: the caller ran :meth:`check_request`), admit and send a request
         to the core; returns the stream of its delta outputs. ``prefix_cache_debug`` asks the core for a
-        prefix-cache report; ``user`` labels the request's KV cost in ``/metrics``.
+        prefix-cache report; ``user`` labels the request's KV cost in ``/metrics``; ``data_parallel_rank``
+        sends it to that replica (vLLM's ``X-data-parallel-rank``) instead of the router's choice.
 
         Raises:
-            InvalidRequestError: see :meth:`check_request`.
+            InvalidRequestError: see :meth:`check_request`; a ``data_parallel_rank`` out of range.
             EngineOverloadedError, EngineShutdownError, EngineDeadError: see :meth:`check_admission`.
         """
         if not checked:
@@ -404,6 +493,10 @@ class AsyncLLM:
         self.check_admission()
         if request_id in self._queues:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
+        dp = self.data_parallel_size
+        if data_parallel_rank is not None and not 0 <= data_parallel_rank < dp:
+            raise InvalidRequestError(f"data_parallel_rank {data_parallel_rank} is not in 0..{dp - 1} "
+                                      "(X-data-parallel-rank)", "data_parallel_rank")
         arrival = arrival_time or time.monotonic()
         queue: asyncio.Queue = asyncio.Queue()
         reqs = fan_out(request_id, prompt_token_ids, params, self.eos_token_ids, arrival)
@@ -414,68 +507,112 @@ class AsyncLLM:
             payload = encode(reqs)
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as e:
             raise InvalidRequestError(f"the request cannot be sent to the engine: {e}") from e
+        replica = 0
+        if self.router is not None:
+            replica = self.router.route(request_id, prompt_token_ids, params.cache_salt, data_parallel_rank)
         self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival)
         self._queues[request_id] = queue
         self.metrics.request_added(request_id, arrival, user)
         try:
-            self._send(EngineCoreRequestType.ADD, payload)
+            self._send(EngineCoreRequestType.ADD, payload, replica=replica)
         except BaseException:  # whatever fails after registration unregisters the request
             self._forget(request_id)
             self.processor.abort_request(request_id)
+            if self.router is not None:
+                self.router.finish(request_id)
             raise
         self._num_sent += len(reqs)
+        if dp > 1:
+            self._replicas[replica].num_sent += len(reqs)
         return RequestStream(self, request_id, queue)
 
+    def _release_replica(self, request_id: str) -> int:
+        """Drop the request from the router (its load); returns its replica (0 without data parallelism)."""
+        if self.router is None:
+            return 0
+        r = self.router.finish(request_id)
+        return 0 if r is None else r
+
     def abort(self, request_id: str) -> None:
-        """Forget a request and abort its unfinished samples in the core (KV blocks freed next loop)."""
+        """Forget a request and abort its unfinished samples in its core (KV blocks freed next loop)."""
         self._forget(request_id)
         kids = self.processor.abort_request(request_id)
+        replica = self._release_replica(request_id)
         if kids:
-            self._send(EngineCoreRequestType.ABORT, kids, raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, kids, raise_if_dead=False, replica=replica)
 
     def _forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self.metrics.request_aborted(request_id)
 
     def tracked_state(self) -> dict[str, int]:
-        """What this process and (as of its last report) the engine core hold: ``api_streams`` (request
+        """What this process and (as of their last reports) the engine core(s) hold: ``api_streams`` (request
         queues), ``api_output_requests`` / ``api_output_samples`` (output processor), ``api_metrics_requests``
-        (per-request timing state), ``core_running`` / ``core_waiting`` (sequences) and ``core_kv_blocks_used``.
+        (per-request timing state), ``core_running`` / ``core_waiting`` (sequences) and ``core_kv_blocks_used``
+        (summed over the replicas); with data parallelism also ``api_routed_requests`` (the router's) and
+        ``replica<i>_core_running`` / ``_core_waiting`` / ``_core_kv_blocks_used`` per replica.
         All zero on an idle server that leaks nothing."""
-        return {"api_streams": len(self._queues), "api_output_requests": len(self.processor.requests),
-                "api_output_samples": len(self.processor.child_to_parent),
-                "api_metrics_requests": self.metrics.num_tracked_requests,
-                "core_running": self.stats.num_running, "core_waiting": self.stats.num_waiting,
-                "core_kv_blocks_used": self.stats.kv_blocks_used}
+        state = {"api_streams": len(self._queues), "api_output_requests": len(self.processor.requests),
+                 "api_output_samples": len(self.processor.child_to_parent),
+                 "api_metrics_requests": self.metrics.num_tracked_requests,
+                 "core_running": self.stats.num_running, "core_waiting": self.stats.num_waiting,
+                 "core_kv_blocks_used": self.stats.kv_blocks_used}
+        if self.data_parallel_size > 1:
+            state["api_routed_requests"] = len(self.router.requests) if self.router is not None else 0
+            for r in self._replicas:
+                state[f"replica{r.index}_core_running"] = r.stats.num_running
+                state[f"replica{r.index}_core_waiting"] = r.stats.num_waiting
+                state[f"replica{r.index}_core_kv_blocks_used"] = r.stats.kv_blocks_used
+        return state
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Per replica: its engine core's pid, its last :class:`SchedulerStats` and the router's counts
+        (``routed_requests``, ``outstanding_requests``, ``predicted_hit_blocks``...)."""
+        out = []
+        for r in self._replicas:
+            d: dict[str, Any] = {"replica": r.index, "engine_core_pid": r.proc.pid if r.proc else None,
+                                 **r.stats.as_dict()}
+            if self.router is not None:
+                d.update(self.router.state(r.index))
+            out.append(d)
+        return out
 
     def reset_prefix_cache(self) -> None:
-        self._send(EngineCoreRequestType.RESET_PREFIX_CACHE, b"")
+        for r in self._replicas:
+            self._send(EngineCoreRequestType.RESET_PREFIX_CACHE, b"", replica=r.index)
+        if self.router is not None:
+            self.router.reset()
 
     def _fail_all(self, err: BaseException) -> None:
-        kids: list[str] = []
+        kids: dict[int, list[str]] = {}
         for rid in list(self._queues):
             self._queues[rid].put_nowait(err)
-            kids.extend(self.processor.abort_request(rid))
-        if kids and self._dead is None:
-            self._send(EngineCoreRequestType.ABORT, kids, raise_if_dead=False)
+            kids.setdefault(self._release_replica(rid), []).extend(self.processor.abort_request(rid))
+        if self._dead is None:
+            for replica, ids in kids.items():
+                if ids:
+                    self._send(EngineCoreRequestType.ABORT, ids, raise_if_dead=False, replica=replica)
 
     # ------------------------------------------------------------------ output loop
-    async def _output_loop(self) -> None:
-        assert self._out_sock is not None and self._proc is not None
+    async def _output_loop(self, r: _Replica) -> None:
+        assert r.out_sock is not None and r.proc is not None
+        who = f"{r.name} (pid {r.proc.pid}): " if self.data_parallel_size > 1 else ""
         try:
             while True:
-                if not await self._out_sock.poll(1000):
-                    if not self._proc.is_alive():
-                        raise EngineDeadError(f"the engine core process died (exit code {self._proc.exitcode})")
+                if not await r.out_sock.poll(1000):
+                    if not r.proc.is_alive():
+                        raise EngineDeadError(f"{who}the engine core process died (exit code {r.proc.exitcode})")
                     continue
-                tag, payload = await self._out_sock.recv_multipart()
+                tag, payload = await r.out_sock.recv_multipart()
                 if tag == OUTPUTS_TAG:
-                    self._handle_outputs(self._output_decoder.decode(payload))
+                    self._handle_outputs(self._output_decoder.decode(payload), r)
                 elif tag == ERROR_TAG:
-                    raise EngineDeadError(f"the engine core failed: {self._error_decoder.decode(payload).message}")
+                    raise EngineDeadError(f"{who}the engine core failed: {self._error_decoder.decode(payload).message}")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001
+            if self._dead is not None:  # another replica's death already failed everything
+                return
             logger.error("engine output loop stopped: %s", e, exc_info=not isinstance(e, EngineDeadError))
             self._dead = e if isinstance(e, EngineDeadError) else EngineDeadError(str(e))
             self._accepting = False
@@ -483,11 +620,22 @@ class AsyncLLM:
             if self.on_dead is not None:
                 self.on_dead(self._dead)
 
-    def _handle_outputs(self, msg: EngineCoreOutputs) -> None:
+    def _refresh_stats(self) -> None:
+        if self.data_parallel_size == 1:
+            self.stats = self._replicas[0].stats
+        else:
+            from tinyvllm.engine.data_parallel import sum_stats
+
+            self.stats = sum_stats([r.stats for r in self._replicas])
+
+    def _handle_outputs(self, msg: EngineCoreOutputs, r: _Replica | None = None) -> None:
         now = time.monotonic()
+        r = r if r is not None else self._replicas[0]
+        dp = self.data_parallel_size
         if msg.scheduler_stats is not None:
-            self.stats = msg.scheduler_stats
-            self.metrics.update_from_stats(msg.scheduler_stats)
+            r.stats = msg.scheduler_stats
+            self._refresh_stats()
+            self.metrics.update_from_stats(msg.scheduler_stats, engine=r.index)
         for cid, err in msg.rejected:
             parent = self.processor.child_to_parent.get(cid)
             if parent is None:
@@ -496,15 +644,25 @@ class AsyncLLM:
             self.abort(parent)
             if queue is not None:
                 queue.put_nowait(InvalidRequestError(err))
+        if dp > 1:  # listeners (the dashboard) see the whole engine's stats; the block map of replica 0 only
+            it = msg.iteration_stats
+            if it is not None and r.index > 0 and it.kv_block_map:
+                it = msgspec.structs.replace(it, kv_block_map=b"")
+            msg = msgspec.structs.replace(msg, scheduler_stats=self.stats if msg.scheduler_stats else None,
+                                          iteration_stats=it)
         if not msg.outputs:
             if self.step_listeners:
                 self._notify(msg, [])
             return
         outs, to_abort = self.processor.process_outputs(msg.outputs, delta=True)
         if to_abort:  # stop strings matched here; free the samples' KV in the core
-            self._send(EngineCoreRequestType.ABORT, to_abort, raise_if_dead=False)
+            self._send(EngineCoreRequestType.ABORT, to_abort, raise_if_dead=False, replica=r.index)
         for out in outs:
             self.metrics.record_output(out, now)
+            if self.router is not None:
+                self.router.prefill_done(out.request_id)
+                if out.finished:
+                    self.router.finish(out.request_id)
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

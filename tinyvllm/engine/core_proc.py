@@ -65,12 +65,20 @@ def _send_error(sock: zmq.Socket, text: str) -> None:
 
 
 def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output_addr: str,
-                    parent_pid: int, log_level: str = "INFO") -> None:
-    """Entry point of the engine core process (a ``multiprocessing`` spawn target)."""
+                    parent_pid: int, log_level: str = "INFO", num_threads: int = 0,
+                    dp_rank: int | None = None) -> None:
+    """Entry point of the engine core process (a ``multiprocessing`` spawn target). ``num_threads`` > 0 sets
+    torch's threads (a data-parallel replica's share of the cores; ``TINYVLLM_NUM_THREADS`` still wins);
+    ``dp_rank`` names the replica in the log."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_pdeathsig()
+    who = "EngineCore" if dp_rank is None else f"EngineCore_DP{dp_rank}"
     logging.basicConfig(level=getattr(logging, str(log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s [EngineCore pid %(process)d]: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s [{who} pid %(process)d]: %(message)s")
+    if num_threads > 0:
+        import torch
+
+        torch.set_num_threads(num_threads)
     ctx = zmq.Context()
     in_sock = ctx.socket(zmq.PULL)
     out_sock = ctx.socket(zmq.PUSH)

@@ -22,6 +22,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model: Any = None) -> None:
         self.config = config
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas behind an API server: use tinyvllm serve "
+                             "--data-parallel-size N (the offline engine runs one engine core)")
         self.core = EngineCore(config, model=model)
         self.tokenizer = load_tokenizer(self.core.resolved.model_dir)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.model.config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import types
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -29,6 +30,12 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The families fed by the engine cores' stats (one child per engine core; labelled engine="i" with several).
+_ENGINE_FAMILIES = ("preemptions", "prefix_queries", "prefix_hits", "running", "waiting", "kv_usage", "kv_used",
+                    "kv_total", "kv_block_seconds", "preempted", "offload_stored", "offload_loaded",
+                    "offload_stored_bytes", "offload_loaded_bytes", "offload_hits", "offload_load_seconds",
+                    "offload_usage", "offload_used", "offload_total", "spec_drafts", "spec_draft_tokens",
+                    "spec_accepted_tokens", "spec_propose_seconds")
 MAX_USER_LABELS = 256  # distinct ``user`` label values; later users are counted under "other"
 MAX_LABEL_BYTES = 64  # a client-given label value longer than this (UTF-8 bytes) is cut, see bounded_label
 _LABEL_PREFIX_BYTES = MAX_LABEL_BYTES - 13  # ... to a prefix of at most this many bytes, "~" and 12 hex digits
@@ -57,10 +64,13 @@ class _ReqState:
 class ServerMetrics:
     """The server's metric families plus the per-request bookkeeping that feeds them."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, lab = self.registry, ["model_name"]
+        # With data parallelism the families the engine cores' stats feed carry vLLM's engine="i" label.
+        lab_e = lab + (["engine"] if num_engines > 1 else [])
         self.model_name = model_name
+        self.num_engines = num_engines
         self.ttft = Histogram("tinyvllm:time_to_first_token_seconds", "Time to first token (seconds).", lab,
                               buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("tinyvllm:inter_token_latency_seconds",
@@ -77,31 +87,31 @@ class ServerMetrics:
                                      registry=r).labels(model_name)
         self._success = Counter("tinyvllm:request_success", "Requests finished, by finish reason.",
                                 lab + ["finished_reason"], registry=r)
-        self.preemptions = Counter("tinyvllm:num_preemptions", "Preemptions (KV cache exhausted).", lab,
-                                   registry=r).labels(model_name)
+        self.preemptions = Counter("tinyvllm:num_preemptions", "Preemptions (KV cache exhausted).", lab_e,
+                                   registry=r)
         self.prefix_queries = Counter("tinyvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "cache.", lab, registry=r).labels(model_name)
+                                      "cache.", lab_e, registry=r)
         self.prefix_hits = Counter("tinyvllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   lab, registry=r).labels(model_name)
-        self.running = Gauge("tinyvllm:num_requests_running", "Sequences in the running batch.", lab,
-                             registry=r).labels(model_name)
-        self.waiting = Gauge("tinyvllm:num_requests_waiting", "Sequences waiting to be scheduled.", lab,
-                             registry=r).labels(model_name)
-        self.kv_usage = Gauge("tinyvllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lab,
-                              registry=r).labels(model_name)
-        self.kv_used = Gauge("tinyvllm:kv_cache_used_blocks", "KV cache blocks in use.", lab,
-                             registry=r).labels(model_name)
-        self.kv_total = Gauge("tinyvllm:kv_cache_total_blocks", "KV cache blocks in the pool.", lab,
-                              registry=r).labels(model_name)
+                                   lab_e, registry=r)
+        self.running = Gauge("tinyvllm:num_requests_running", "Sequences in the running batch.", lab_e,
+                             registry=r)
+        self.waiting = Gauge("tinyvllm:num_requests_waiting", "Sequences waiting to be scheduled.", lab_e,
+                             registry=r)
+        self.kv_usage = Gauge("tinyvllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", lab_e,
+                              registry=r)
+        self.kv_used = Gauge("tinyvllm:kv_cache_used_blocks", "KV cache blocks in use.", lab_e,
+                             registry=r)
+        self.kv_total = Gauge("tinyvllm:kv_cache_total_blocks", "KV cache blocks in the pool.", lab_e,
+                              registry=r)
         self.kv_block_seconds = Counter("tinyvllm:kv_block_seconds", "KV blocks held x seconds held, all "
-                                        "requests (a shared block counts 1/k to each of k holders).", lab,
-                                        registry=r).labels(model_name)
-        self.preempted = Gauge("tinyvllm:num_requests_preempted", "Waiting sequences that were preempted.", lab,
-                               registry=r).labels(model_name)
+                                        "requests (a shared block counts 1/k to each of k holders).", lab_e,
+                                        registry=r)
+        self.preempted = Gauge("tinyvllm:num_requests_preempted", "Waiting sequences that were preempted.", lab_e,
+                               registry=r)
         self._miss_reason = Counter("tinyvllm:prefix_cache_miss_reason", "Prompts by why their uncached tokens "
                                     "missed the prefix cache (partial_last_block: all cacheable blocks hit).",
-                                    lab + ["reason"], registry=r)
-        lab_user = lab + ["user"]
+                                    lab_e + ["reason"], registry=r)
+        lab_user = ["model_name", "user"]
         self._user_kv = Counter("tinyvllm:user_kv_block_seconds", "KV block-seconds of finished requests, per "
                                 "request `user`.", lab_user, registry=r)
         self._user_prefill = Counter("tinyvllm:user_prefill_tokens_computed", "Prefill tokens computed for "
@@ -111,42 +121,48 @@ class ServerMetrics:
         self._user_requests = Counter("tinyvllm:user_requests", "Finished requests, per request `user`.",
                                       lab_user, registry=r)
         self._users: set[str] = set()
-        for reason in MISS_REASONS:
-            self._miss_reason.labels(model_name, reason)
         # KV offload tier (vLLM has no fixed names for these; ours follow its kv_cache_* ones).
         self.offload_stored = Counter("tinyvllm:kv_offload_stored_blocks", "KV blocks copied pool -> offload tier.",
-                                      lab, registry=r).labels(model_name)
+                                      lab_e, registry=r)
         self.offload_loaded = Counter("tinyvllm:kv_offload_loaded_blocks", "KV blocks copied offload tier -> pool.",
-                                      lab, registry=r).labels(model_name)
+                                      lab_e, registry=r)
         self.offload_stored_bytes = Counter("tinyvllm:kv_offload_stored_bytes", "Bytes copied to the offload tier.",
-                                            lab, registry=r).labels(model_name)
+                                            lab_e, registry=r)
         self.offload_loaded_bytes = Counter("tinyvllm:kv_offload_loaded_bytes", "Bytes copied from the offload tier.",
-                                            lab, registry=r).labels(model_name)
+                                            lab_e, registry=r)
         self.offload_hits = Counter("tinyvllm:kv_offload_hit_tokens", "Prompt tokens served from the offload tier "
-                                    "(part of prefix_cache_hits).", lab, registry=r).labels(model_name)
+                                    "(part of prefix_cache_hits).", lab_e, registry=r)
         self.offload_load_seconds = Counter("tinyvllm:kv_offload_load_seconds", "Time copying blocks back from the "
-                                            "offload tier (seconds).", lab, registry=r).labels(model_name)
+                                            "offload tier (seconds).", lab_e, registry=r)
         self.offload_usage = Gauge("tinyvllm:kv_offload_usage_perc", "Fraction of offload-tier slots holding a block "
-                                   "(0-1).", lab, registry=r).labels(model_name)
-        self.offload_used = Gauge("tinyvllm:kv_offload_used_blocks", "Offload-tier slots holding a block.", lab,
-                                  registry=r).labels(model_name)
-        self.offload_total = Gauge("tinyvllm:kv_offload_total_blocks", "Offload-tier slots.", lab,
-                                   registry=r).labels(model_name)
+                                   "(0-1).", lab_e, registry=r)
+        self.offload_used = Gauge("tinyvllm:kv_offload_used_blocks", "Offload-tier slots holding a block.", lab_e,
+                                  registry=r)
+        self.offload_total = Gauge("tinyvllm:kv_offload_total_blocks", "Offload-tier slots.", lab_e,
+                                   registry=r)
         # Speculative decoding: vLLM's names (vllm:spec_decode_*), our prefix.
         self.spec_drafts = Counter("tinyvllm:spec_decode_num_drafts", "Verification steps of a request with "
-                                   "draft tokens.", lab, registry=r).labels(model_name)
-        self.spec_draft_tokens = Counter("tinyvllm:spec_decode_num_draft_tokens", "Draft tokens verified.", lab,
-                                         registry=r).labels(model_name)
+                                   "draft tokens.", lab_e, registry=r)
+        self.spec_draft_tokens = Counter("tinyvllm:spec_decode_num_draft_tokens", "Draft tokens verified.", lab_e,
+                                         registry=r)
         self.spec_accepted_tokens = Counter("tinyvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                            lab, registry=r).labels(model_name)
+                                            lab_e, registry=r)
         self._spec_per_pos = Counter("tinyvllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
-                                     "by position in the draft (0-based).", lab + ["position"], registry=r)
+                                     "by position in the draft (0-based).", lab_e + ["position"], registry=r)
         self.spec_propose_seconds = Counter("tinyvllm:spec_decode_propose_seconds", "Time the draft proposer "
-                                            "took (seconds).", lab, registry=r).labels(model_name)
+                                            "took (seconds).", lab_e, registry=r)
         for reason in ("stop", "length", "abort"):
             self._success.labels(model_name, reason)
         self._requests: dict[str, _ReqState] = {}
-        self._last_cumulative: dict[str, int] = {}
+        # Per engine core: the label values of its series, its children of the families above, and the last
+        # cumulative counters it reported (the counters grow by the difference).
+        self._engine_labels = [(model_name,) + ((str(e),) if num_engines > 1 else ()) for e in range(num_engines)]
+        self._eng = [types.SimpleNamespace(**{name: getattr(self, name).labels(*lv) for name in _ENGINE_FAMILIES})
+                     for lv in self._engine_labels]
+        for lv in self._engine_labels:
+            for reason in MISS_REASONS:
+                self._miss_reason.labels(*lv, reason)
+        self._last: list[dict[str, float]] = [{} for _ in range(num_engines)]
 
     # -------------------------------------------------------------- per request
     def request_added(self, request_id: str, arrival: float, user: str | None = None) -> None:
@@ -200,55 +216,56 @@ class ServerMetrics:
         self._user_requests.labels(*labels).inc()
 
     # -------------------------------------------------------------- engine snapshot
-    def update_from_stats(self, stats: SchedulerStats) -> None:
-        """Gauges and cumulative counters from the engine core's typed stats snapshot."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_used.set(stats.kv_blocks_used)
-        self.kv_total.set(stats.kv_blocks_total)
-        self.kv_usage.set(stats.kv_cache_usage)
-        self.offload_used.set(stats.kv_offload_blocks_used)
-        self.offload_total.set(stats.kv_offload_blocks_total)
-        self.offload_usage.set(stats.kv_offload_blocks_used / stats.kv_offload_blocks_total
-                               if stats.kv_offload_blocks_total else 0.0)
+    def update_from_stats(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Gauges and cumulative counters from an engine core's typed stats snapshot (``engine``: its
+        data-parallel replica, the ``engine`` label when there are several)."""
+        m, last, lv = self._eng[engine], self._last[engine], self._engine_labels[engine]
+        m.running.set(stats.num_running)
+        m.waiting.set(stats.num_waiting)
+        m.kv_used.set(stats.kv_blocks_used)
+        m.kv_total.set(stats.kv_blocks_total)
+        m.kv_usage.set(stats.kv_cache_usage)
+        m.offload_used.set(stats.kv_offload_blocks_used)
+        m.offload_total.set(stats.kv_offload_blocks_total)
+        m.offload_usage.set(stats.kv_offload_blocks_used / stats.kv_offload_blocks_total
+                            if stats.kv_offload_blocks_total else 0.0)
         bb = stats.kv_offload_block_bytes
-        for value, key, counter in ((stats.num_preemptions, "num_preemptions", self.preemptions),
-                                    (stats.prefix_cache_queries, "prefix_cache_queries", self.prefix_queries),
-                                    (stats.prefix_cache_hits, "prefix_cache_hits", self.prefix_hits),
-                                    (stats.kv_offload_stored_blocks, "kv_offload_stored", self.offload_stored),
-                                    (stats.kv_offload_loaded_blocks, "kv_offload_loaded", self.offload_loaded),
+        for value, key, counter in ((stats.num_preemptions, "num_preemptions", m.preemptions),
+                                    (stats.prefix_cache_queries, "prefix_cache_queries", m.prefix_queries),
+                                    (stats.prefix_cache_hits, "prefix_cache_hits", m.prefix_hits),
+                                    (stats.kv_offload_stored_blocks, "kv_offload_stored", m.offload_stored),
+                                    (stats.kv_offload_loaded_blocks, "kv_offload_loaded", m.offload_loaded),
                                     (stats.kv_offload_stored_blocks * bb, "kv_offload_stored_b",
-                                     self.offload_stored_bytes),
+                                     m.offload_stored_bytes),
                                     (stats.kv_offload_loaded_blocks * bb, "kv_offload_loaded_b",
-                                     self.offload_loaded_bytes),
-                                    (stats.kv_offload_hit_tokens, "kv_offload_hits", self.offload_hits),
-                                    (stats.kv_offload_load_seconds, "kv_offload_load_s", self.offload_load_seconds),
-                                    (stats.spec_decode_num_drafts, "spec_drafts", self.spec_drafts),
-                                    (stats.spec_decode_num_draft_tokens, "spec_draft_tokens", self.spec_draft_tokens),
+                                     m.offload_loaded_bytes),
+                                    (stats.kv_offload_hit_tokens, "kv_offload_hits", m.offload_hits),
+                                    (stats.kv_offload_load_seconds, "kv_offload_load_s", m.offload_load_seconds),
+                                    (stats.spec_decode_num_drafts, "spec_drafts", m.spec_drafts),
+                                    (stats.spec_decode_num_draft_tokens, "spec_draft_tokens", m.spec_draft_tokens),
                                     (stats.spec_decode_num_accepted_tokens, "spec_accepted",
-                                     self.spec_accepted_tokens),
-                                    (stats.spec_decode_propose_seconds, "spec_propose_s", self.spec_propose_seconds)):
-            delta = value - self._last_cumulative.get(key, 0)
+                                     m.spec_accepted_tokens),
+                                    (stats.spec_decode_propose_seconds, "spec_propose_s", m.spec_propose_seconds)):
+            delta = value - last.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
-            self._last_cumulative[key] = max(value, self._last_cumulative.get(key, 0))
-        self.preempted.set(stats.num_preempted)
-        last = self._last_cumulative
+            last[key] = max(value, last.get(key, 0))
+        m.preempted.set(stats.num_preempted)
         delta_kv = stats.kv_block_seconds - last.get("kv_block_seconds", 0.0)
         if delta_kv > 0:
-            self.kv_block_seconds.inc(delta_kv)
+            m.kv_block_seconds.inc(delta_kv)
             last["kv_block_seconds"] = stats.kv_block_seconds
         for pos, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             key = f"spec_pos:{pos}"
             delta = value - last.get(key, 0)
             if delta > 0:
-                self._spec_per_pos.labels(self.model_name, str(pos)).inc(delta)
+                self._spec_per_pos.labels(*lv, str(pos)).inc(delta)
                 last[key] = value
         for reason, value in stats.prefix_cache_miss_reasons.items():
             key = "miss:" + reason
             delta = value - last.get(key, 0)
             if delta > 0:
-                self._miss_reason.labels(self.model_name, reason).inc(delta)
+                self._miss_reason.labels(*lv, reason).inc(delta)
                 last[key] = value
 
     def render(self) -> bytes:

@@ -152,7 +152,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body("the engine core is not running", 503), status_code=503)
-        return JSONResponse({"status": "ok", "engine_core_pid": engine.engine_pid})
+        body: dict[str, Any] = {"status": "ok", "engine_core_pid": engine.engine_pid}
+        if getattr(engine, "data_parallel_size", 1) > 1:
+            body["engine_core_pids"] = engine.engine_pids
+        return JSONResponse(body)
 
     @app.get("/version")
     async def version() -> dict:
@@ -216,8 +219,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, cha
     @app.get("/debug/stats")
     async def debug_stats() -> dict:
         """The engine core's last :class:`~tinyvllm.metrics.stats.SchedulerStats` (gauges and counters
-        since start, e.g. ``decode_tokens``): what a test reads to prove an abort stopped the work."""
-        return engine.stats.as_dict()
+        since start, e.g. ``decode_tokens``): what a test reads to prove an abort stopped the work. With
+        ``--data-parallel-size`` > 1 these are summed over the replicas, and ``replicas`` holds each one's
+        (with its pid and the router's counts: ``routed_requests``, ``predicted_hit_blocks``...)."""
+        stats: dict[str, Any] = engine.stats.as_dict()
+        if getattr(engine, "data_parallel_size", 1) > 1:
+            stats["replicas"] = engine.replica_stats()
+        return stats
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -252,7 +260,11 @@ def _bind(host: str, port: int, port_file: str | None = None) -> socket.socket:
     appears complete or not at all), so a caller learns it without a bind-then-close race.
     Raises ``OSError`` (e.g. EADDRINUSE) if the address cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto
+    # is IPPROTO_TCP (``asyncio.base_events._set_nodelay``), and accepted sockets inherit this one's. Without
+    # it Nagle's algorithm holds each response's second write until the client's delayed ACK (~40 ms on
+    # Linux): every request on a kept-alive connection took >= 40 ms, and stream chunks could stall as long.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -308,10 +320,12 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
             logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
             return 1
         info = engine.engine_info
-        logger.info("serving %s on http://%s:%d (%s, quantization %s, KV cache %d tokens, max_model_len %d; "
-                    "engine core pid %d)", engine.model_name, args.host, sock.getsockname()[1], info.dtype or "?",
-                    info.quantization or "?", info.num_kv_blocks * info.block_size, engine.max_model_len,
-                    engine.engine_pid)
+        dp = engine.data_parallel_size
+        logger.info("serving %s on http://%s:%d (%s, quantization %s, KV cache %d tokens%s, max_model_len %d; "
+                    "engine core pid%s %s)", engine.model_name, args.host, sock.getsockname()[1], info.dtype or "?",
+                    info.quantization or "?", info.num_kv_blocks * info.block_size,
+                    f" x {dp} data-parallel replicas" if dp > 1 else "", engine.max_model_len,
+                    "s" if dp > 1 else "", ", ".join(str(p) for p in engine.engine_pids))
         await server.serve(sockets=[sock])
         return 0 if server.started and not died else 1
     finally:

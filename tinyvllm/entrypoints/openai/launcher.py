@@ -83,6 +83,14 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     if config.parallel_config.headless:  # --node-rank > 0 (or a torchrun rank > 0): this node's ranks only
         return run_headless_node(config)
+    if config.parallel_config.data_parallel_size > 1:  # P/D, TP, more replicas than cores: one line, no process
+        from tinyvllm.engine.data_parallel import check_data_parallel
+
+        try:
+            check_data_parallel(config)
+        except ValueError as e:
+            logger.error("invalid engine options: %s", flag_message(str(e)))
+            return 2
     if config.parallel_config.tensor_parallel_size > 1:  # a size the model cannot split: one line, no process
         from tinyvllm.config import resolve_device
         from tinyvllm.engine.core import check_parallel

@@ -50,7 +50,7 @@ class OpenAIServingChat(OpenAIServing):
         renames = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         try:
-            params, ids, streams, request_id, use_tools = await self.prepare_chat(req, arrival)
+            params, ids, streams, request_id, use_tools = await self.prepare_chat(req, arrival, raw=raw)
         except REQUEST_ERRORS as e:
             return exception_response(e, renames)
         model = self._response_model(req.model)
@@ -86,14 +86,15 @@ class OpenAIServingChat(OpenAIServing):
         self.keep_marker_tokens(params, use_tools)
         return params, ids, use_tools
 
-    async def prepare_chat(self, req: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl-"
+    async def prepare_chat(self, req: ChatCompletionRequest, arrival: float, id_prefix: str = "chatcmpl-",
+                           raw: Request | None = None
                            ) -> tuple[SamplingParams, list[int], list[RequestStream], str, bool]:
         """:meth:`chat_prompt`, then the request submitted to the engine: ``(params, prompt ids, streams,
         request id, use_tools)``. Shared by ``/v1/chat/completions`` and the Anthropic ``/v1/messages``."""
         params, ids, use_tools = await self.chat_prompt(req)
         request_id = f"{id_prefix}{uuid.uuid4().hex}"
         streams = self._submit(request_id, [(None, ids)], params, arrival,
-                               prefix_cache_debug=req.prefix_cache_debug, user=req.user)
+                               prefix_cache_debug=req.prefix_cache_debug, user=req.user, raw=raw)
         return params, ids, streams, request_id, use_tools
 
     async def _chat_full(self, params: SamplingParams, ids: list[int], stream: RequestStream, request_id: str,

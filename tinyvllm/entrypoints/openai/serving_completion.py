@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = await run_blocking(self._completion_prompts, req)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             streams = self._submit(request_id, prompts, params, arrival, prefix_cache_debug=req.prefix_cache_debug,
-                                   user=req.user)
+                                   user=req.user, raw=raw)
         except REQUEST_ERRORS as e:
             return exception_response(e)
         model = self._response_model(req.model)

@@ -171,6 +171,22 @@ async def iterate_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[i
             t.cancel()
 
 
+
+def data_parallel_rank(raw: Request) -> int | None:
+    """vLLM's ``X-data-parallel-rank`` request header: the replica to serve this request (None if absent).
+
+    Raises:
+        InvalidRequestError: not an integer (a rank out of range is refused by the engine).
+    """
+    value = raw.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequestError(f"X-data-parallel-rank must be an integer, got {value!r}",
+                                  "X-data-parallel-rank") from None
+
 @dataclass
 class Choice:
     """A choice being accumulated (non-streaming) or tracked (streaming)."""
@@ -514,15 +530,21 @@ class OpenAIServing:
 
     # -------------------------------------------------------------- submission
     def _submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-                arrival: float, *, prefix_cache_debug: bool = False, user: str | None = None) -> list[RequestStream]:
+                arrival: float, *, prefix_cache_debug: bool = False, user: str | None = None,
+                raw: Request | None = None) -> list[RequestStream]:
+        """Validate every prompt, then send each to the engine. ``raw``'s ``X-data-parallel-rank`` header
+        (vLLM's) sends them to that replica of a ``--data-parallel-size`` server."""
         for _, ids in prompts:  # validate every prompt before queueing any
             self.engine.check_request(ids, params)
+        kw = {}
+        if raw is not None and (rank := data_parallel_rank(raw)) is not None:
+            kw["data_parallel_rank"] = rank
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(self.engine.add_request(rid, text, ids, params, arrival, checked=True,
-                                                       prefix_cache_debug=prefix_cache_debug, user=user))
+                                                       prefix_cache_debug=prefix_cache_debug, user=user, **kw))
         except BaseException:
             for s in streams:
                 s.abort()
