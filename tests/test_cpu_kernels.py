@@ -107,11 +107,11 @@ def make_batch(seqs, hq, hk, d, block_size, dtype, seed=0, k_scale=None):
 SEQS = [(0, 1), (14, 1), (15, 1), (16, 1), (99, 1), (0, 9), (13, 20), (40, 3), (0, 17)]
 
 
-# Head shapes (GQA 1:1 to 4:1; head sizes 16..128, 24 not a multiple of the tiled kernel's 32) x block
+# Head shapes (GQA 1:1 to 4:1; head sizes 16..256 (256: Gemma), 24 not a multiple of the tiled kernel's 32) x block
 # sizes 4 and 16. The default tier runs every shape on each path and dtype, at block sizes alternating by
 # shape and flipped from one path to the next (so each path sees both block sizes and every shape x block
 # size pair runs on some path); the whole cross product runs under `make test-slow`.
-ATTN_HEADS = [(4, 4, 16), (4, 2, 32), (9, 3, 64), (2, 1, 128), (6, 2, 24)]
+ATTN_HEADS = [(4, 4, 16), (4, 2, 32), (9, 3, 64), (2, 1, 128), (6, 2, 24), (4, 1, 256)]
 ATTN_CASES = [pytest.param(p, hq, hk, d, bs, marks=() if (i + j + b) % 2 == 0 else pytest.mark.slow)
               for j, p in enumerate(PATHS) for i, (hq, hk, d) in enumerate(ATTN_HEADS)
               for b, bs in enumerate((4, 16))]

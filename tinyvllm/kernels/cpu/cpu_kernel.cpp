@@ -10,7 +10,7 @@
 //
 // Implementations: the vector kernels, written once over cpu_vec.h's vector type (attention_row,
 // RMSNorm's and SiLU's vector bodies; VecF = Vec16f when the compiler targets AVX-512, Vec8f on
-// AVX2 + FMA; attention_row for head sizes 16/32/64/96/128), the tiled attention over a bf16 or
+// AVX2 + FMA; attention_row for head sizes 16/32/64/96/128/256), the tiled attention over a bf16 or
 // quantized cache (AVX512_BF16, optionally AMX; its bf16 dot products have no AVX2 form) and portable
 // scalar loops (attention_scalar; also what set_vector_kernels(false) selects, for tests). Attention
 // and SiLU differ in the last bits between the vector and scalar paths, and between the AVX-512 and
@@ -1116,6 +1116,7 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache, cons
       case 64: TINYVLLM_ROW(64)
       case 96: TINYVLLM_ROW(96)
       case 128: TINYVLLM_ROW(128)
+      case 256: TINYVLLM_ROW(256)  // Gemma 2/3
       default: break;
     }
 #undef TINYVLLM_ROW
