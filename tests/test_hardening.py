@@ -117,6 +117,35 @@ def test_body_over_the_cap_is_413(server):
     assert httpx.get(server.base + "/health", timeout=10).status_code == 200
 
 
+def test_a_chunked_body_whose_last_message_crosses_the_cap_is_answered_without_draining():
+    """When the message that crosses the cap is the body's last (``more_body`` false), nothing is left to
+    drain: the 413 goes out at once. Reading again would wait DRAIN_SECONDS (5 s) for a message that never
+    comes, as the middleware did before (GuardMiddleware over an app that reads its body, at the ASGI level)."""
+    import asyncio
+
+    from tinyvllm.entrypoints.openai.middleware import GuardMiddleware
+
+    async def reading_app(scope, receive, send):
+        while (await receive()).get("more_body", False):
+            pass
+        raise AssertionError("the cap must stop the read")
+
+    messages = [{"type": "http.request", "body": b"x" * 600, "more_body": True},
+                {"type": "http.request", "body": b"x" * 600, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive():
+        assert messages, "receive() called after the body's last message"
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "state": {}}
+    asyncio.run(asyncio.wait_for(GuardMiddleware(reading_app, max_body_bytes=1000)(scope, receive, send), 2))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 413
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_the_413_arrives_whole_while_the_client_is_still_sending(server, chunked):
     """The server reads (and drops) the rest of an oversized body before answering, so closing the

@@ -135,12 +135,18 @@ class GuardMiddleware:
                 return
         started = False
         received = 0
+        body_done = False  # the body's last message was read: nothing is left to drain
         too_large: list[str] = []
 
+        async def drain() -> None:
+            if not body_done:  # else receive() would wait for a message that never comes (DRAIN_SECONDS)
+                await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
+
         async def guarded_receive() -> Message:
-            nonlocal received
+            nonlocal received, body_done
             message = await receive()
             if limit is not None and message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > limit:
                     too_large.append(f"request body too large: over {limit} bytes (max_request_body_bytes)")
@@ -152,7 +158,7 @@ class GuardMiddleware:
             if too_large:  # the framework answered the interrupted body read (a 400): answer 413 instead
                 if message["type"] == "http.response.start" and not started:
                     started = True
-                    await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
+                    await drain()
                     await send_error(send, too_large[0], 413, [(b"connection", b"close")], anthropic)
                 return
             if message["type"] == "http.response.start":
@@ -163,7 +169,7 @@ class GuardMiddleware:
             await self.app(scope, guarded_receive, tracking_send)
         except BodyTooLarge as e:
             if not started:
-                await drain_body(receive, DRAIN_BYTES_FACTOR * limit)
+                await drain()
                 await send_error(send, str(e), 413, [(b"connection", b"close")], anthropic)
         except Exception as e:  # noqa: BLE001 - the one place unhandled errors end
             logger.error("unhandled error on %s %s (request id %s): %s: %s", scope.get("method"),
