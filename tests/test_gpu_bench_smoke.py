@@ -1,7 +1,9 @@
 """``scripts/gpu_bench.py --smoke``: the GPU benchmark script runs end to end on the CPU.
 
 A session lent a GPU has minutes of device time; a bug in the script must show
-here, not there.  The timings of a smoke run mean nothing; what is checked is
+here, not there.  Slow tier (~21 s on 2 cores): docs/gpu.md's runbook runs it
+before any device time is spent; the kernels it drives are checked in the default
+tier by tests/test_triton_kernels.py and tests/test_gpu_engine.py.  The timings of a smoke run mean nothing; what is checked is
 that every section produced its rows, that the kernels agreed with the PyTorch
 ops, and that the roofline arithmetic gave numbers.
 """
@@ -19,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_section(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "gpu_bench.json"

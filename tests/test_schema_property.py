@@ -260,11 +260,11 @@ def run_property(llm, n_schemas: int, max_tokens: int = 128, decode_every: int =
 
 def test_every_output_validates_or_the_schema_is_refused(smol_llm):
     """240 generated schemas: every keyword above appears; a good share of the schemas is refused; the
-    accepted ones of every third schema are decoded (about a third of the full run's time; the full run is
+    accepted ones of every sixth schema are decoded (about a sixth of the full run's time; the full run is
     ``test_every_output_validates_or_the_schema_is_refused_all_decoded``, under ``make test-slow``)."""
-    stats = run_property(smol_llm, 240, decode_every=3)
+    stats = run_property(smol_llm, 240, decode_every=6)
     print(stats)
-    assert stats["accepted"] >= 80 and stats["refused"] >= 20 and stats["validated"] >= 50
+    assert stats["accepted"] >= 80 and stats["refused"] >= 20 and stats["validated"] >= 25
 
 
 @pytest.mark.slow
