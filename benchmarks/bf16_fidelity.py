@@ -69,10 +69,11 @@ def cpu_name() -> str:
 def hf_model(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from tinyvllm.model.loader import _find_alias_gguf
+    from tinyvllm.model.loader import _find_alias_gguf, transformers_reads_gguf_with_cached_reader
 
     gguf = _find_alias_gguf("SmolLM2-135M-Instruct")
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
+    with transformers_reads_gguf_with_cached_reader():
+        return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:

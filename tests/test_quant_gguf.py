@@ -673,3 +673,30 @@ def test_array_reader_equals_gguf_reader(tmp_path):
                 tw.name, tw.tensor_type, list(tw.shape), tw.n_bytes, tw.data_offset)
             assert tg.data.dtype == tw.data.dtype and np.array_equal(tg.data, tw.data)
         assert loader.gguf_reader(path) is got  # unchanged file: the same parse
+
+
+def test_transformers_reads_gguf_with_cached_reader_swaps_and_restores(tmp_path):
+    """Inside the block gguf's ``GGUFReader(path)`` is the cached parse and ``get_tensor_name_map`` is built
+    once per (arch, layers), with the same mapping as gguf's; after it (also after an error) both are gguf's
+    own again (the HF reference of tests/conftest.py and the GGUF tokenizer build load through it)."""
+    import gguf
+
+    from tinyvllm.model import loader
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("a.weight", np.zeros((2, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    want = name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    with pytest.raises(KeyError), loader.transformers_reads_gguf_with_cached_reader():
+        assert gguf.GGUFReader(str(path)) is loader.gguf_reader(path)
+        got = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert got is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert got.mapping == want.mapping
+        raise KeyError("an error inside the block")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)

@@ -14,6 +14,7 @@ config.json, tokenizer files), so later starts only mmap the safetensors.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -23,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tinyvllm.model.errors import ModelNotFoundError, UnsupportedArchitectureError  # noqa: F401 - re-exported
@@ -218,6 +220,32 @@ def gguf_reader(gguf_path: str | Path) -> Any:
     while len(_GGUF_READERS) > _GGUF_READERS_MAX:
         _GGUF_READERS.pop(next(iter(_GGUF_READERS)))
     return reader
+
+
+@contextlib.contextmanager
+def transformers_reads_gguf_with_cached_reader() -> Iterator[None]:
+    """Within the block, ``gguf.GGUFReader(path)`` returns :func:`gguf_reader`'s parse of ``path``.
+
+    transformers' GGUF loading (``from_pretrained(..., gguf_file=...)`` for a tokenizer, a config or a
+    model) imports ``gguf.GGUFReader`` at call time and parses the file with it, twice for a model (config,
+    then tensors): ~3.5 s per parse of SmolLM2's vocabulary on 2 vCPUs. The cached ndarray reader parses
+    the same fields, parts and tensors (tests/test_quant_gguf.py compares them with gguf's reader), once.
+    transformers also builds ``gguf.get_tensor_name_map(arch, n_layers)`` once per module of the model
+    (397 times for SmolLM2, ~8 s); within the block it is built once per (arch, n_layers): a pure function
+    whose result is only read (``get_name``). Only for single-threaded loading code: the module attributes
+    are swapped while the block runs."""
+    import functools
+
+    import gguf
+
+    _array_reader_class()  # the subclass is made from the real class, before the swap
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = lambda path, mode="r": gguf_reader(path) if mode == "r" else reader(path, mode)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _array_reader_class() -> type:
@@ -468,7 +496,8 @@ def _save_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with transformers_reads_gguf_with_cached_reader():
+            tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception:  # noqa: BLE001 - an architecture transformers' GGUF reader does not know
         tok = _tokenizer_via_llama_header(gguf_path)
     tok.save_pretrained(str(out_dir))
@@ -489,4 +518,5 @@ def _tokenizer_via_llama_header(gguf_path: Path) -> Any:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        return AutoTokenizer.from_pretrained(tmp, gguf_file="tok.gguf")
+        with transformers_reads_gguf_with_cached_reader():
+            return AutoTokenizer.from_pretrained(tmp, gguf_file="tok.gguf")
