@@ -55,10 +55,15 @@ def hf_smol_fp32():
 @pytest.fixture(scope="session")
 def shared_server(tmp_path_factory):
     """One real ``tinyvllm serve`` (SmolLM2, bf16; flags: ``server_utils.SHARED_SERVER_ARGS``) for every
-    module that can share it, started on first use and stopped at the end of the session."""
+    module that can share it, started on first use and stopped at the end of the session.
+    ``TINYVLLM_TEST_SERVER_ARGS`` appends flags, to run the server tests on another configuration, e.g.
+    ``TINYVLLM_TEST_SERVER_ARGS="--tensor-parallel-size 2" pytest tests/test_server.py`` (docs/parallelism.md)."""
+    import shlex
+
     from server_utils import SHARED_SERVER_ARGS, running_server
 
-    yield from running_server(tmp_path_factory.mktemp("shared_server") / "server.log", SHARED_SERVER_ARGS)
+    extra = shlex.split(os.environ.get("TINYVLLM_TEST_SERVER_ARGS", ""))
+    yield from running_server(tmp_path_factory.mktemp("shared_server") / "server.log", SHARED_SERVER_ARGS + extra)
 
 
 @pytest.fixture(scope="session")
