@@ -40,6 +40,20 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def statuses_until_exit(srv: "Server", timeout: float, interval: float) -> list:
+    """POST a 2-token completion every ``interval`` s until the server process exits (or ``timeout`` s):
+    the status codes seen, "refused" where the connection failed. For tests that kill part of an engine."""
+    t0, statuses = time.monotonic(), []
+    while srv.proc.poll() is None and time.monotonic() - t0 < timeout:
+        try:
+            statuses.append(httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                                       timeout=10).status_code)
+        except httpx.HTTPError:
+            statuses.append("refused")
+        time.sleep(interval)
+    return statuses
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of ``pid`` (bytes), from /proc."""
     with open(f"/proc/{pid}/statm") as f:

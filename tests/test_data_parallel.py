@@ -212,7 +212,7 @@ def test_disconnect_frees_blocks_on_its_replica(dp_server):
 def test_killing_one_replica_gives_503_and_exit(tmp_path):
     """SIGKILL of replica 1's engine core: requests get 503 (or a refused connection), the API process exits
     non-zero and replica 0 goes down with it (fail-fast, as when the single core dies)."""
-    from server_utils import Server, pid_alive
+    from server_utils import Server, pid_alive, statuses_until_exit
 
     srv = Server(tmp_path / "dp_kill.log", ["--max-model-len", "512", "-dp", "2"])
     pids: list[int] = []
@@ -221,14 +221,7 @@ def test_killing_one_replica_gives_503_and_exit(tmp_path):
         pids = httpx.get(srv.base + "/health", timeout=10).json()["engine_core_pids"]
         _post(srv, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         os.kill(pids[1], signal.SIGKILL)
-        t0, statuses = time.monotonic(), []
-        while srv.proc.poll() is None and time.monotonic() - t0 < 30:
-            try:
-                statuses.append(httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                           timeout=10).status_code)
-            except httpx.HTTPError:
-                statuses.append("refused")
-            time.sleep(0.05)
+        statuses = statuses_until_exit(srv, 30, 0.05)
         assert srv.proc.wait(30) != 0
         assert 503 in statuses or statuses[-1:] == ["refused"], statuses
         assert "data-parallel replica 1" in srv.log_tail(20000), srv.log_tail()

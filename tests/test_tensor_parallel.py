@@ -329,7 +329,7 @@ def test_server_at_tp2_serves_smollm2_and_a_killed_rank_gives_503_and_exit(tmp_p
     new requests get 503 (or a refused connection) and the API process exits non-zero, within 60 s."""
     import httpx
 
-    from server_utils import Server
+    from server_utils import Server, statuses_until_exit
 
     texts = {}
     for tp in ("1", "2"):
@@ -342,14 +342,7 @@ def test_server_at_tp2_serves_smollm2_and_a_killed_rank_gives_503_and_exit(tmp_p
             ranks = _children(srv.core_pid)
             assert len(ranks) >= 2, ranks
             os.kill(ranks[-1], signal.SIGKILL)
-            t0, statuses = time.monotonic(), []
-            while srv.proc.poll() is None and time.monotonic() - t0 < 60:
-                try:
-                    statuses.append(httpx.post(srv.base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                               timeout=10).status_code)
-                except httpx.HTTPError:
-                    statuses.append("refused")
-                time.sleep(0.2)
+            statuses = statuses_until_exit(srv, 60, 0.2)
             assert srv.proc.wait(60) != 0
             assert 503 in statuses or statuses[-1:] == ["refused"], statuses
             assert "tensor-parallel rank" in srv.log_tail(20000), srv.log_tail()
