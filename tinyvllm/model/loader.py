@@ -22,9 +22,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from tinyvllm.model.errors import ModelNotFoundError, UnsupportedArchitectureError  # noqa: F401 - re-exported
