@@ -41,7 +41,7 @@ import xxhash
 from tinyvllm.core.block_pool import BlockPool, KVCacheBlock
 from tinyvllm.core.kv_offload import OffloadIndex
 
-__all__ = ["hash_block_tokens", "KVCacheManager", "PrefixCacheStats"]
+__all__ = ["hash_block_tokens", "extend_block_hashes", "KVCacheManager", "PrefixCacheStats"]
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
@@ -66,6 +66,20 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra: 
     h.update(b"\x03")
     h.update(array("q", token_ids).tobytes())
     return h.intdigest()
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int, num_full_blocks: int,
+                        cache_salt: str | None = None) -> list[int]:
+    """Extend ``hashes`` (the chained hashes of the first ``len(hashes)`` full blocks of ``token_ids``) in place
+    to ``num_full_blocks`` blocks, and return it. ``cache_salt`` (vLLM's name) enters the first block's hash
+    only; the chain carries it to the rest. The engine's prefix cache and the data-parallel router both hash
+    prompts through this, so a router's "match" is a block the engine can reuse."""
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full_blocks):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                   ("cache_salt", cache_salt) if i == 0 and cache_salt is not None else None)
+        hashes.append(parent)
+    return hashes
 
 
 @dataclass
@@ -137,16 +151,8 @@ class KVCacheManager:
 
     def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_full_blocks: int) -> list[int]:
         """The request's chained hashes, extended (incrementally) to ``num_full_blocks``."""
-        hashes = self.req_to_block_hashes.setdefault(request_id, [])
-        bs = self.block_size
-        parent = hashes[-1] if hashes else None
-        salt = self.req_to_salt.get(request_id)
-        for i in range(len(hashes), num_full_blocks):
-            # cache_salt (vLLM's name) enters the first block only; the chain carries it to the rest.
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs],
-                                       ("cache_salt", salt) if i == 0 and salt is not None else None)
-            hashes.append(parent)
-        return hashes
+        return extend_block_hashes(self.req_to_block_hashes.setdefault(request_id, []), token_ids, self.block_size,
+                                   num_full_blocks, self.req_to_salt.get(request_id))
 
     # -- scheduling API ------------------------------------------------------
 

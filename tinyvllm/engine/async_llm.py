@@ -437,7 +437,7 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     def _send(self, kind: EngineCoreRequestType, payload: Any, raise_if_dead: bool = True, replica: int = 0) -> None:
         data = payload if isinstance(payload, bytes) else encode(payload)
-        sock = self._in_sock if replica == 0 else self._replicas[replica].in_sock
+        sock = self._replicas[replica].in_sock
         try:
             if sock is None:
                 raise zmq.Again()

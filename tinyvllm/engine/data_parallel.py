@@ -12,7 +12,7 @@ Routing (``--dp-routing prefix``, the default) follows **NVIDIA Dynamo's KV rout
 (no KV events: the router predicts each worker's cache from its own routing decisions), with the prefix
 lookup of **SGLang's cache-aware router** (an approximate tree of what was sent to each worker, kept in LRU
 order and bounded by the worker's cache size) done on **vLLM's chained block hashes**
-(:func:`tinyvllm.core.kv_cache_manager.hash_block_tokens`, so a "match" is a whole KV block the engine can
+(:func:`tinyvllm.core.kv_cache_manager.extend_block_hashes`, so a "match" is a whole KV block the engine can
 reuse, ``cache_salt`` included). For each replica ``i`` the cost of sending it the request is Dynamo's::
 
     cost_i = w * (prefill blocks this request would compute on i) + blocks held by the requests running on i
@@ -49,7 +49,6 @@ import msgspec
 from tinyvllm import envs
 from tinyvllm.config import EngineConfig
 from tinyvllm.metrics.stats import SchedulerStats
-
 
 
 def check_data_parallel(config: EngineConfig) -> None:
@@ -200,14 +199,10 @@ class DPRouter:
     # ------------------------------------------------------------------ routing
     def block_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """The prompt's full blocks' chained hashes, as the engine computes them (``cache_salt`` in the first)."""
-        from tinyvllm.core.kv_cache_manager import hash_block_tokens
+        from tinyvllm.core.kv_cache_manager import extend_block_hashes
 
-        bs, parent, out = self.block_size, None, []
-        for i in range(len(prompt_token_ids) // bs):
-            parent = hash_block_tokens(parent, prompt_token_ids[i * bs:(i + 1) * bs],
-                                       ("cache_salt", cache_salt) if i == 0 and cache_salt is not None else None)
-            out.append(parent)
-        return out
+        return extend_block_hashes([], prompt_token_ids, self.block_size, len(prompt_token_ids) // self.block_size,
+                                   cache_salt)
 
     def _match(self, replica: _ReplicaLoad, hashes: list[int]) -> int:
         # The engine reuses at most (len - 1) // bs blocks (one token is always computed); hashes has len // bs.
