@@ -24,7 +24,6 @@ freed blocks go to its tail.
 from __future__ import annotations
 
 import gc
-
 from typing import Callable, Iterable, Iterator
 
 

@@ -171,7 +171,6 @@ async def iterate_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[i
             t.cancel()
 
 
-
 def data_parallel_rank(raw: Request) -> int | None:
     """vLLM's ``X-data-parallel-rank`` request header: the replica to serve this request (None if absent).
 
@@ -186,6 +185,7 @@ def data_parallel_rank(raw: Request) -> int | None:
     except ValueError:
         raise InvalidRequestError(f"X-data-parallel-rank must be an integer, got {value!r}",
                                   "X-data-parallel-rank") from None
+
 
 @dataclass
 class Choice:
