@@ -632,7 +632,7 @@ def test_converted_tokenizer_is_cached_per_tokenizer_fields(tmp_path, monkeypatc
 
 def test_array_reader_equals_gguf_reader(tmp_path):
     """``loader.gguf_reader`` (gguf's reader over a plain ndarray view) yields the same fields, parts,
-    types and tensors as gguf's own ``GGUFReader``, on a file with every kind of field (strings, scalars,
+    types and tensors as gguf's own ``GGUFReader``, on a file with every kind of field (strings, scalars, empty and nested arrays,
     string/int/float/bool arrays) and quantized and float tensors; a changed file is parsed again."""
     import gguf
 
@@ -649,6 +649,8 @@ def test_array_reader_equals_gguf_reader(tmp_path):
         w.add_token_scores([float(i) / 7 for i in range(n_tokens)])
         w.add_token_types([1] * n_tokens)
         w.add_array("tinyvllm.bools", [True, False, True])
+        w.add_array("tinyvllm.empty", [])
+        w.add_array("tinyvllm.nested", [[1, 2], [3]])
         w.add_string("tokenizer.chat_template", "{{ messages }} ✓")
         w.add_tensor("a.weight", np.arange(96, dtype=np.float32).reshape(3, 32))
         raw = np.random.default_rng(0).integers(0, 256, size=(4, 34), dtype=np.uint8)
