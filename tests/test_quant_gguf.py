@@ -632,8 +632,9 @@ def test_converted_tokenizer_is_cached_per_tokenizer_fields(tmp_path, monkeypatc
 
 def test_array_reader_equals_gguf_reader(tmp_path):
     """``loader.gguf_reader`` (gguf's reader over a plain ndarray view) yields the same fields, parts,
-    types and tensors as gguf's own ``GGUFReader``, on a file with every kind of field (strings, scalars, empty and nested arrays,
-    string/int/float/bool arrays) and quantized and float tensors; a changed file is parsed again."""
+    types and tensors as gguf's own ``GGUFReader``, on a file with every kind of field (strings, scalars,
+    string/int/float/bool arrays, an empty and a nested array) and quantized and float tensors; a changed
+    file is parsed again."""
     import gguf
 
     from tinyvllm.model import loader
