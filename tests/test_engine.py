@@ -101,8 +101,8 @@ def test_prefix_cache_same_prompt_block_multiple(make_smol_llm):
 
 
 def test_agent_turns_prefill_tokens(make_smol_llm):
-    """The seeds' expanding triangle: 10 turns, each appending a 64-token tail to the whole history."""
-    tail, turns = 64, 10
+    """The seeds' expanding triangle: 7 turns, each appending a 64-token tail to the whole history."""
+    tail, turns = 64, 7
     computed = {}
     for caching in (True, False):
         llm = make_smol_llm(enable_prefix_caching=caching)
@@ -119,9 +119,9 @@ def test_agent_turns_prefill_tokens(make_smol_llm):
         assert_no_kv_leak(llm)
     # With caching: ~ one tail per turn (+ the partial last block and the previous answer's tokens).
     assert computed[True] <= turns * (tail + 16 + 4)
-    # Without: the whole history every turn, 64 * (1 + 2 + ... + 10) = 55 tails (+ answers).
-    assert computed[False] >= 55 * tail
-    assert computed[False] / computed[True] > 5
+    # Without: the whole history every turn, 64 * (1 + 2 + ... + 7) = 28 tails (+ answers).
+    assert computed[False] >= 28 * tail
+    assert computed[False] / computed[True] > 3
 
 
 def test_abort_frees_blocks(smol_llm):
