@@ -641,3 +641,24 @@ def test_metrics_counters(client, server):
     assert get("tinyvllm:num_requests_running") == 0 and get("tinyvllm:kv_cache_used_blocks") == 0
     assert get("tinyvllm:kv_cache_usage_perc") == 0
     assert "tinyvllm:num_preemptions_total" in "".join(m)
+
+
+def test_cache_config_info_and_bench_serve_sessions_per_pool(server):
+    """``/metrics`` publishes the KV pool as vLLM's ``cache_config_info`` (block size, KV dtype, blocks), and
+    ``bench serve`` turns it into the sessions of a run's longest request the pool holds at once."""
+    from tinyvllm.benchmarks.serve import fetch_cache_config, kv_pool_summary
+    from tinyvllm.metrics.prometheus import kv_cache_dtype_label
+
+    m = _metrics(server)
+    blocks = int(sum(v for k, v in m.items() if k.split("{")[0] == "tinyvllm:kv_cache_total_blocks"))
+    cache = fetch_cache_config(server.base)
+    assert cache == {"block_size": BLOCK_SIZE, "cache_dtype": "bfloat16", "num_blocks": blocks}
+    reqs = [{"success": True, "prompt_tokens": 100, "output_tokens": 17},  # 117 tokens: 8 blocks of 16
+            {"success": True, "prompt_tokens": 50, "output_tokens": 10},
+            {"success": False, "prompt_tokens": 10_000, "output_tokens": 0}]  # a failed request is not a session
+    pool = kv_pool_summary(cache, reqs)
+    assert pool["longest_session_tokens"] == 117 and pool["tokens"] == blocks * BLOCK_SIZE
+    assert pool["sessions_per_pool"] == blocks // -(-117 // BLOCK_SIZE)
+    assert kv_pool_summary(None, reqs) is None and kv_pool_summary(cache, reqs[2:]) is None
+    assert [kv_cache_dtype_label(v, "bfloat16") for v in ("auto", "int8", "fp8", "fp8_e4m3", "bfloat16")] == [
+        "bfloat16", "int8", "fp8_e4m3", "fp8_e4m3", "bfloat16"]

@@ -579,6 +579,47 @@ def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, 
     return out or None
 
 
+_CACHE_INFO_RE = r'^(?:tinyvllm|vllm):cache_config_info\{([^}]*)\}\s+\S+$'
+
+
+def fetch_cache_config(base_url: str, api_key: str | None = None) -> dict[str, Any] | None:
+    """The server's KV pool from ``/metrics``: ``cache_config_info``'s ``block_size``, ``cache_dtype`` and
+    ``num_gpu_blocks`` labels (tinyvllm's, or vLLM's of the same name), or None where it has none."""
+    import re
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    for ln in r.text.splitlines():
+        m = re.match(_CACHE_INFO_RE, ln)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            try:
+                return {"block_size": int(labels["block_size"]), "cache_dtype": labels.get("cache_dtype", "?"),
+                        "num_blocks": int(labels["num_gpu_blocks"])}
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+def kv_pool_summary(cache: dict[str, Any] | None, requests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How many sessions like this run's longest the server's KV pool holds at once: ``num_blocks //
+    ceil(L / block_size)`` with ``L`` the largest prompt + output tokens of one request (an agent
+    session's last turn carries its whole history), each running session owning its blocks (no prefix
+    sharing counted). None without the pool's configuration or a completed request."""
+    lens = [(r.get("prompt_tokens") or 0) + (r.get("output_tokens") or 0) for r in requests if r.get("success")]
+    if cache is None or not lens or max(lens) <= 0:
+        return None
+    longest = max(lens)
+    per_session = -(-longest // cache["block_size"])
+    return {**cache, "tokens": cache["num_blocks"] * cache["block_size"], "longest_session_tokens": longest,
+            "sessions_per_pool": cache["num_blocks"] // per_session}
+
+
 def spec_decode_summary(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
     """The run's speculative decoding (the counters' increase): drafts, draft / accepted tokens, the
     acceptance rate (accepted / draft tokens) and the mean accepted length (tokens per verification
@@ -638,6 +679,9 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     spec = spec_decode_summary(spec_before, fetch_spec_counters(args.base_url, args.api_key))
     if spec is not None:
         result["spec_decode"] = spec
+    pool = kv_pool_summary(fetch_cache_config(args.base_url, args.api_key), result.get("requests", []))
+    if pool is not None:
+        result["kv_pool"] = pool
     print(report.format_table(result))
     line = format_miss_reasons(reasons_before, reasons_after)
     if line:
@@ -646,6 +690,10 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
         print(f"speculative decoding: acceptance rate {100 * spec['acceptance_rate']:.1f}% "
               f"({spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens), "
               f"mean accepted length {spec['mean_accepted_length']:.2f} tokens per step ({spec['num_drafts']} drafts)")
+    if pool is not None:
+        print(f"KV pool: {pool['num_blocks']} blocks x {pool['block_size']} tokens ({pool['cache_dtype']}) = "
+              f"{pool['tokens']} tokens: {pool['sessions_per_pool']} sessions of this run's longest "
+              f"({pool['longest_session_tokens']} tokens) at once")
     if result["completed"] == 0 and result["requests"]:
         print(f"first error: {result['requests'][0]['error']}", file=sys.stderr)
 

@@ -41,6 +41,12 @@ MAX_LABEL_BYTES = 64  # a client-given label value longer than this (UTF-8 bytes
 _LABEL_PREFIX_BYTES = MAX_LABEL_BYTES - 13  # ... to a prefix of at most this many bytes, "~" and 12 hex digits
 
 
+def kv_cache_dtype_label(kv_cache_dtype: str, model_dtype: str) -> str:
+    """The KV dtype a ``--kv-cache-dtype`` value stores: ``auto`` is the model's dtype, ``fp8`` is ``fp8_e4m3``."""
+    kv = str(kv_cache_dtype).lower()
+    return model_dtype if kv == "auto" else {"fp8": "fp8_e4m3"}.get(kv, kv)
+
+
 def bounded_label(value: str) -> str:
     """``value`` as a Prometheus label value of at most :data:`MAX_LABEL_BYTES` UTF-8 bytes: unchanged if it
     fits, else its longest prefix of at most 51 bytes (whole characters), ``~`` and the first 12 hex digits
@@ -103,6 +109,9 @@ class ServerMetrics:
                              registry=r)
         self.kv_total = Gauge("tinyvllm:kv_cache_total_blocks", "KV cache blocks in the pool.", lab_e,
                               registry=r)
+        # vLLM's cache_config_info (the same label names): the KV pool's shape, constant 1.
+        self.cache_info = Gauge("tinyvllm:cache_config_info", "The KV cache's configuration (labels; value 1).",
+                                ["block_size", "cache_dtype", "num_gpu_blocks"], registry=r)
         self.kv_block_seconds = Counter("tinyvllm:kv_block_seconds", "KV blocks held x seconds held, all "
                                         "requests (a shared block counts 1/k to each of k holders).", lab_e,
                                         registry=r)
@@ -165,6 +174,12 @@ class ServerMetrics:
         self._last: list[dict[str, float]] = [{} for _ in range(num_engines)]
 
     # -------------------------------------------------------------- per request
+
+    def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int) -> None:
+        """Publish the KV pool's configuration as ``tinyvllm:cache_config_info`` (vLLM's labels: ``block_size``
+        tokens per block, ``cache_dtype`` the resolved KV dtype, ``num_gpu_blocks`` blocks per engine core)."""
+        self.cache_info.labels(block_size=str(block_size), cache_dtype=cache_dtype,
+                               num_gpu_blocks=str(num_blocks)).set(1)
     def request_added(self, request_id: str, arrival: float, user: str | None = None) -> None:
         self._requests[request_id] = _ReqState(arrival, user=bounded_label(user or ""))
 

@@ -54,7 +54,7 @@ from tinyvllm.entrypoints.openai.serving_models import OpenAIServingModels
 from tinyvllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from tinyvllm.entrypoints.openai.serving_responses import OpenAIServingResponses, StoreConfig
 from tinyvllm.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tinyvllm.metrics.prometheus import CONTENT_TYPE
+from tinyvllm.metrics.prometheus import CONTENT_TYPE, kv_cache_dtype_label
 
 logger = logging.getLogger("tinyvllm.api_server")
 
@@ -321,6 +321,9 @@ async def _serve(args: argparse.Namespace, engine: AsyncLLM, served: list[str] |
             return 1
         info = engine.engine_info
         dp = engine.data_parallel_size
+        engine.metrics.set_cache_config(
+            info.block_size, kv_cache_dtype_label(engine.config.cache_config.kv_cache_dtype, info.dtype or "?"),
+            info.num_kv_blocks)
         logger.info("serving %s on http://%s:%d (%s, quantization %s, KV cache %d tokens%s, max_model_len %d; "
                     "engine core pid%s %s)", engine.model_name, args.host, sock.getsockname()[1], info.dtype or "?",
                     info.quantization or "?", info.num_kv_blocks * info.block_size,
