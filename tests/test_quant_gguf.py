@@ -486,8 +486,9 @@ def _q8_emulate(x: torch.Tensor, raw: np.ndarray, qtype: str, n: int, k: int, bi
 @pytest.mark.parametrize("qtype,k", [("Q8_0", 160), ("Q4_0", 160), ("Q4_1", 160), ("Q4_K", 512)])
 def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k, n):
     """gemm_gguf_q8 == the float64 value of its documented arithmetic (int8 activations per 32-block)
-    to one bf16 rounding plus fp32 accumulation, and == the scalar loop bit for bit, at M = 1, 2 (the
-    in-register tiles), 3, 9, 63, 300 (the scratch panels) with a padded last group (n columns). Q8_0:
+    to one bf16 rounding plus fp32 accumulation, and == the scalar loop bit for bit, at M = 1, 2 (in-register
+    tiles of all rows x 4 groups), 3, 5, 8 (in-register row tiles of 3-4 rows x 2 groups, and 2 + 3), 9, 63, 300
+    (the scratch panels) with a padded last group (n columns; 15 groups: an item with an odd group). Q8_0:
     some weights are -128 (q ^ 0x80 = 0: the sign trick's edge)."""
     raw = random_blocks(np.random.default_rng(7), n, k, qtype, k ** -0.5)
     if qtype == "Q8_0":  # q = -128 in the first 3 weights of every block of column 0
@@ -495,7 +496,7 @@ def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k, n):
         raw.reshape(n, -1, 34)[0, :, 2:5] = 0x80
     w = repack(raw, qtype, n, k, "t")
     g = torch.Generator().manual_seed(3)
-    for m in (1, 2, 3, 9, 63, 300):  # 300: two M blocks of the scratch path
+    for m in (1, 2, 3, 5, 8, 9, 63, 300):  # 300: two M blocks of the scratch path
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(n, generator=g)
         y = kern.gemm_gguf_q8(x, w.qs, w.scales, w.fmt, n, k, bias)
@@ -512,15 +513,16 @@ def test_q8_kernel_matches_its_arithmetic_and_scalar_loop(kern, qtype, k, n):
 @pytest.mark.parametrize("qtype,k", [("Q8_0", 160), ("Q4_1", 160), ("Q4_K", 512), ("Q6_K", 512)])
 def test_out_float_is_the_unrounded_output_of_a_bf16_x(kern, fn, qtype, k):
     """out_float (the LM head's logits, issue 37) with bf16 activations: float32 [M, N] that rounds to the
-    default bf16 output bit for bit (the same sums, rounded once), on the in-register tiles (M <= 2) and
-    the scratch path, and on the scalar loop (the _ref entry points) the same float32 sums."""
+    default bf16 output bit for bit (the same sums, rounded once), on the in-register tiles (M <= 2; M = 5:
+    gemm_gguf_q8's row tiles, gemm_gguf's scratch path) and the scratch path, and on the scalar loop (the _ref
+    entry points) the same float32 sums."""
     if fn == "gemm_gguf_q8" and qtype == "Q6_K":
         pytest.skip("Q6_K always runs on gemm_gguf (bf16 activations)")
     n = 250
     w, _ = _weight(qtype, n, k, seed=8)
     g = torch.Generator().manual_seed(9)
     f = getattr(kern, fn)
-    for m in (1, 2, 9, 63):
+    for m in (1, 2, 5, 9, 63):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         bias = torch.randn(n, generator=g)
         y32 = f(x, w.qs, w.scales, w.fmt, n, k, bias, out_float=True)

@@ -1155,6 +1155,20 @@ Q8TileFn q8_pick(int r, int c) {
   return fns[r - 1][c - 1];
 }
 
+// In-register tiles of 3 or 4 rows take at most 2 groups (R x C accumulators and partial sums, plus the
+// decoded weights, within the 32 zmm registers).
+template <int FMT>
+Q8TileFn q8_pick34(int r, int c) {
+  static const Q8TileFn fns[2][2] = {{&q8tile<3, 1, FMT>, &q8tile<3, 2, FMT>}, {&q8tile<4, 1, FMT>, &q8tile<4, 2, FMT>}};
+  return fns[r - 3][c - 1];
+}
+
+// gemm_q8_vnni's in-register path runs up to this M (near-equal row tiles of <= 4 rows over each item's
+// groups, the weights decoded again per row tile from L1), the scratch path above it. Measured on an AMX
+// Xeon (docs/benchmarks.md, "int8-activation GGUF GEMM at 3-8 rows"): the scratch path's panel conversion
+// cost a whole-model GEMM pass ~3 ms more at 3 rows than at 2, more than the rows themselves.
+constexpr int64_t kSmallMQ8 = 8;
+
 static_assert(kRows <= 4, "q8_pick_scratch has tiles of 1..4 rows");
 
 template <int FMT>
@@ -1174,11 +1188,29 @@ void gemm_q8_vnni_fmt(const ActQ8& a, int64_t M, const uint8_t* qs, const uint8_
   const int32_t* xc = a.xc.empty() ? nullptr : a.xc.data();
   // scratch: the panel's u8 weight vectors [nb][8][C][64 bytes], then its fp32 scales [nb][C][2][16]
   const int64_t sw_bytes = nb * 8 * kScratchC * 64, sf_bytes = nb * kScratchC * 32 * 4;
+  const int64_t mtiles = ceil_div(M, int64_t{4});
   for_each_tile(
-      M, N, K, qs, sc, FMT, kSmallM, sw_bytes + sf_bytes,
+      M, N, K, qs, sc, FMT, kSmallMQ8, sw_bytes + sf_bytes,
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, int64_t n0, int64_t ncols) {
-        q8_pick<FMT>(static_cast<int>(M), c)(xq, K, dx, xs, xc, nb, gq, gs, out.offset(n0), N, ncols,
-                                            bias ? bias + n0 : nullptr);
+        for (int64_t t = 0; t < mtiles; ++t) {
+          const int64_t r0 = t * M / mtiles, rows = (t + 1) * M / mtiles - r0;
+          const int8_t* xq_t = xq + r0 * K;
+          const float* dx_t = dx + r0 * nb;
+          const float* xs_t = xs ? xs + r0 * nb : nullptr;
+          const int32_t* xc_t = xc ? xc + r0 * nb : nullptr;
+          if (rows <= 2) {
+            q8_pick<FMT>(static_cast<int>(rows), c)(xq_t, K, dx_t, xs_t, xc_t, nb, gq, gs, out.offset(r0 * N + n0), N,
+                                                    ncols, bias ? bias + n0 : nullptr);
+            continue;
+          }
+          for (int j = 0; j < c; j += 2) {
+            const int cc = std::min(2, c - j);
+            q8_pick34<FMT>(static_cast<int>(rows), cc)(xq_t, K, dx_t, xs_t, xc_t, nb, gq + j, gs + j,
+                                                       out.offset(r0 * N + n0 + kGroup * j), N,
+                                                       std::min<int64_t>(cc * kGroup, ncols - kGroup * j),
+                                                       bias ? bias + n0 + kGroup * j : nullptr);
+          }
+        }
       },
       [&](const uint8_t* const* gq, const uint8_t* const* gs, int c, uint8_t* scratch) {
         q8_convert_panel<FMT>(gq, gs, c, kScratchC, nb, scratch, reinterpret_cast<float*>(scratch + sw_bytes));
