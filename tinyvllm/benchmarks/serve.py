@@ -527,6 +527,16 @@ def _result_stem(args: argparse.Namespace) -> str:
     return f"{args.dataset}-{model}-c{conc}-r{rate}-{stamp}"
 
 
+def _metrics_text(base_url: str, api_key: str | None = None) -> str | None:
+    """The server's ``/metrics`` text, or None where it has none (not reachable, not 200)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return r.text if r.status_code == 200 else None
+
+
 _MISS_REASON_RE = r'^tinyvllm:prefix_cache_miss_reason_total\{[^}]*reason="([^"]+)"[^}]*\}\s+(\S+)$'
 
 
@@ -534,15 +544,11 @@ def fetch_miss_reasons(base_url: str, api_key: str | None = None) -> dict[str, f
     """The server's prefix-cache miss-reason counters (tinyvllm's ``/metrics``), or None where it has none."""
     import re
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
+    text = _metrics_text(base_url, api_key)
+    if text is None:
         return None
     out: dict[str, float] = {}
-    for line in r.text.splitlines():
+    for line in text.splitlines():
         m = re.match(_MISS_REASON_RE, line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
@@ -568,14 +574,10 @@ def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, 
     ``num_accepted_tokens``, tinyvllm's ``/metrics``), or None where it has none."""
     import re
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
-    except httpx.HTTPError:
+    text = _metrics_text(base_url, api_key)
+    if text is None:
         return None
-    if r.status_code != 200:
-        return None
-    out = {m.group(1): float(m.group(2)) for m in (re.match(_SPEC_RE, ln) for ln in r.text.splitlines()) if m}
+    out = {m.group(1): float(m.group(2)) for m in (re.match(_SPEC_RE, ln) for ln in text.splitlines()) if m}
     return out or None
 
 
@@ -587,14 +589,10 @@ def fetch_cache_config(base_url: str, api_key: str | None = None) -> dict[str, A
     ``num_gpu_blocks`` labels (tinyvllm's, or vLLM's of the same name), or None where it has none."""
     import re
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
-    except httpx.HTTPError:
+    text = _metrics_text(base_url, api_key)
+    if text is None:
         return None
-    if r.status_code != 200:
-        return None
-    for ln in r.text.splitlines():
+    for ln in text.splitlines():
         m = re.match(_CACHE_INFO_RE, ln)
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
