@@ -646,12 +646,12 @@ def test_metrics_counters(client, server):
 def test_cache_config_info_and_bench_serve_sessions_per_pool(server):
     """``/metrics`` publishes the KV pool as vLLM's ``cache_config_info`` (block size, KV dtype, blocks), and
     ``bench serve`` turns it into the sessions of a run's longest request the pool holds at once."""
-    from tinyvllm.benchmarks.serve import fetch_cache_config, kv_pool_summary
+    from tinyvllm.benchmarks.serve import fetch_metrics, kv_pool_summary, parse_cache_config
     from tinyvllm.metrics.prometheus import kv_cache_dtype_label
 
     m = _metrics(server)
     blocks = int(sum(v for k, v in m.items() if k.split("{")[0] == "tinyvllm:kv_cache_total_blocks"))
-    cache = fetch_cache_config(server.base)
+    cache = parse_cache_config(fetch_metrics(server.base))
     assert cache == {"block_size": BLOCK_SIZE, "cache_dtype": "bfloat16", "num_blocks": blocks}
     reqs = [{"success": True, "prompt_tokens": 100, "output_tokens": 17},  # 117 tokens: 8 blocks of 16
             {"success": True, "prompt_tokens": 50, "output_tokens": 10},

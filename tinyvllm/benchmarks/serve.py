@@ -527,8 +527,9 @@ def _result_stem(args: argparse.Namespace) -> str:
     return f"{args.dataset}-{model}-c{conc}-r{rate}-{stamp}"
 
 
-def _metrics_text(base_url: str, api_key: str | None = None) -> str | None:
-    """The server's ``/metrics`` text, or None where it has none (not reachable, not 200)."""
+def fetch_metrics(base_url: str, api_key: str | None = None) -> str | None:
+    """The server's ``/metrics`` text, or None where it has none (not reachable, not 200). ``bench serve``
+    reads it once before and once after a run; the ``parse_*`` functions below take it (or None)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10, trust_env=False)
@@ -540,11 +541,10 @@ def _metrics_text(base_url: str, api_key: str | None = None) -> str | None:
 _MISS_REASON_RE = r'^tinyvllm:prefix_cache_miss_reason_total\{[^}]*reason="([^"]+)"[^}]*\}\s+(\S+)$'
 
 
-def fetch_miss_reasons(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The server's prefix-cache miss-reason counters (tinyvllm's ``/metrics``), or None where it has none."""
+def parse_miss_reasons(text: str | None) -> dict[str, float] | None:
+    """The prefix-cache miss-reason counters in a ``/metrics`` text (tinyvllm's), or None where it has none."""
     import re
 
-    text = _metrics_text(base_url, api_key)
     if text is None:
         return None
     out: dict[str, float] = {}
@@ -569,12 +569,11 @@ def format_miss_reasons(before: dict[str, float] | None, after: dict[str, float]
 _SPEC_RE = r'^tinyvllm:spec_decode_(num_drafts|num_draft_tokens|num_accepted_tokens)_total\{[^}]*\}\s+(\S+)$'
 
 
-def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The server's speculative-decoding counters (``num_drafts``, ``num_draft_tokens``,
-    ``num_accepted_tokens``, tinyvllm's ``/metrics``), or None where it has none."""
+def parse_spec_counters(text: str | None) -> dict[str, float] | None:
+    """The speculative-decoding counters (``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``) in a
+    ``/metrics`` text (tinyvllm's), or None where it has none."""
     import re
 
-    text = _metrics_text(base_url, api_key)
     if text is None:
         return None
     out = {m.group(1): float(m.group(2)) for m in (re.match(_SPEC_RE, ln) for ln in text.splitlines()) if m}
@@ -584,12 +583,11 @@ def fetch_spec_counters(base_url: str, api_key: str | None = None) -> dict[str, 
 _CACHE_INFO_RE = r'^(?:tinyvllm|vllm):cache_config_info\{([^}]*)\}\s+\S+$'
 
 
-def fetch_cache_config(base_url: str, api_key: str | None = None) -> dict[str, Any] | None:
-    """The server's KV pool from ``/metrics``: ``cache_config_info``'s ``block_size``, ``cache_dtype`` and
+def parse_cache_config(text: str | None) -> dict[str, Any] | None:
+    """The KV pool in a ``/metrics`` text: ``cache_config_info``'s ``block_size``, ``cache_dtype`` and
     ``num_gpu_blocks`` labels (tinyvllm's, or vLLM's of the same name), or None where it has none."""
     import re
 
-    text = _metrics_text(base_url, api_key)
     if text is None:
         return None
     for ln in text.splitlines():
@@ -645,8 +643,8 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--extra-body must be a JSON object")
     requests, meta = build_dataset(args)
 
-    reasons_before = fetch_miss_reasons(args.base_url, args.api_key)
-    spec_before = fetch_spec_counters(args.base_url, args.api_key)
+    metrics_before = fetch_metrics(args.base_url, args.api_key)
+    reasons_before, spec_before = parse_miss_reasons(metrics_before), parse_spec_counters(metrics_before)
     result = asyncio.run(
         run_benchmark(
             args.base_url,
@@ -670,14 +668,15 @@ def main_serve(args: argparse.Namespace) -> dict[str, Any]:
     # Put dataset info before the metrics for readability.
     head = {"dataset": args.dataset, "dataset_args": meta, "label": args.label}
     result = {**head, **result}
-    reasons_after = fetch_miss_reasons(args.base_url, args.api_key)
+    metrics_after = fetch_metrics(args.base_url, args.api_key)
+    reasons_after = parse_miss_reasons(metrics_after)
     if reasons_after is not None:
         result["prefix_cache_miss_reasons"] = {k: int(v - (reasons_before or {}).get(k, 0.0))
                                                for k, v in reasons_after.items()}
-    spec = spec_decode_summary(spec_before, fetch_spec_counters(args.base_url, args.api_key))
+    spec = spec_decode_summary(spec_before, parse_spec_counters(metrics_after))
     if spec is not None:
         result["spec_decode"] = spec
-    pool = kv_pool_summary(fetch_cache_config(args.base_url, args.api_key), result.get("requests", []))
+    pool = kv_pool_summary(parse_cache_config(metrics_after), result.get("requests", []))
     if pool is not None:
         result["kv_pool"] = pool
     print(report.format_table(result))

@@ -173,13 +173,13 @@ class ServerMetrics:
                 self._miss_reason.labels(*lv, reason)
         self._last: list[dict[str, float]] = [{} for _ in range(num_engines)]
 
-    # -------------------------------------------------------------- per request
-
     def set_cache_config(self, block_size: int, cache_dtype: str, num_blocks: int) -> None:
         """Publish the KV pool's configuration as ``tinyvllm:cache_config_info`` (vLLM's labels: ``block_size``
         tokens per block, ``cache_dtype`` the resolved KV dtype, ``num_gpu_blocks`` blocks per engine core)."""
         self.cache_info.labels(block_size=str(block_size), cache_dtype=cache_dtype,
                                num_gpu_blocks=str(num_blocks)).set(1)
+
+    # -------------------------------------------------------------- per request
     def request_added(self, request_id: str, arrival: float, user: str | None = None) -> None:
         self._requests[request_id] = _ReqState(arrival, user=bounded_label(user or ""))
 
