@@ -171,7 +171,12 @@ def test_a_shared_long_prefix_lands_on_one_replica_and_hits_its_cache(dp_server)
     assert sorted(routed) == [0, 2], routed
     i = routed.index(2)
     hits = after[i]["prefix_cache_hits"] - before[i]["prefix_cache_hits"]
-    assert hits >= 256, hits  # the second request found the first one's blocks on that replica
+    # The second request found the first one's blocks on that replica: every full block of the prompts' common
+    # token prefix (the salt's length in tokens varies, so the bound is derived from the tokenization).
+    ids = [httpx.post(dp_server.base + "/tokenize", json={"prompt": prefix + " " + t}, timeout=10).json()["tokens"]
+           for t in ("apple", "banana")]
+    common = next(n for n, (a, b) in enumerate(zip(ids[0] + [None], ids[1] + [-1])) if a != b)
+    assert hits == min(common, len(ids[1]) - 1) // 16 * 16 >= 240, (hits, common)
     assert after[1 - i]["prefix_cache_queries"] == before[1 - i]["prefix_cache_queries"]
 
 
