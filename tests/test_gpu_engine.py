@@ -204,6 +204,36 @@ def test_engine_triton_interpreter_matches_cpu_path(tiny_dir, monkeypatch):
     _assert_logprobs_close(lps, ref_lps)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter variant runs on CPU-only machines; CUDA runs the native tests")
+@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_engine_triton_interpreter_quantized_kv_matches_torch_backend(tiny_dir, monkeypatch, kind):
+    """``--kv-cache-dtype int8|fp8`` on the Triton backend (interpreted): the backend quantizes each step's
+    K/V rows to the bytes the other backends store and the kernels attend over them, so greedy tokens and
+    logprobs equal the PyTorch reference backend's on the same cache format (chunked prefill, mixed and
+    decode-only steps, prefix-cache hits)."""
+    from tinyvllm import LLM
+
+    tk = _triton_kernels(interpret=True)
+    monkeypatch.setenv("TINYVLLM_ATTENTION", "torch")
+    ref_toks, ref_lps = _run_rounds(LLM(model=str(tiny_dir), kv_cache_dtype=kind, **ENGINE))
+    calls = {"prefill": 0}
+    orig = tk.paged_prefill_attention
+
+    def counted(q, key_cache, *a, **k):
+        assert key_cache.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+        calls["prefill"] += 1
+        return orig(q, key_cache, *a, **k)
+
+    monkeypatch.setattr(tk, "paged_prefill_attention", counted)
+    monkeypatch.setenv("TINYVLLM_ATTENTION", "triton")
+    llm = LLM(model=str(tiny_dir), kv_cache_dtype=kind, **ENGINE)
+    assert llm.llm_engine.core.runner.attn_backend.name == "triton"
+    toks, lps = _run_rounds(llm)
+    assert calls["prefill"] > 0 and llm.llm_engine.core.stats()["prefix_cache_hits"] > 0
+    assert toks == ref_toks
+    _assert_logprobs_close(lps, ref_lps)
+
+
 def _decode_batch():
     """Three sequences with non-contiguous block tables, one decode token each."""
     tables = [[5, 2, 9], [7], [1, 11, 3, 8]]

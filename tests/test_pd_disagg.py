@@ -327,9 +327,12 @@ def test_decode_request_with_prompt_logprobs_computes_its_prompt_and_releases_th
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 1}
     ref = httpx.post(prefill.base + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     params, n = _prefill_params(prefill, prompt)
+    t_kept = time.monotonic()
     before, p0 = _stats(decode), _stats(prefill)
     got = httpx.post(decode.base + "/v1/completions", json={**body, "kv_transfer_params": params}, timeout=60)
     assert got.status_code == 200, got.text
+    in_time = time.monotonic() - t_kept < TTL_S - 0.5  # (a machine too loaded to answer within the TTL
+    # lets the kept blocks expire before the release arrives: then only the rest is checked)
     after = _stats(decode)
     assert got.json()["choices"][0]["text"] == ref["text"]
     assert got.json()["choices"][0]["prompt_logprobs"] == ref["prompt_logprobs"]
@@ -337,7 +340,8 @@ def test_decode_request_with_prompt_logprobs_computes_its_prompt_and_releases_th
     assert after["prefill_tokens"] - before["prefill_tokens"] == n
     _assert_idle(prefill, decode)  # waits past the TTL if need be: an expiry would count below
     p1 = _stats(prefill)
-    assert p1["kv_transfer_expired_requests"] == p0["kv_transfer_expired_requests"]  # released, not expired
+    if in_time:
+        assert p1["kv_transfer_expired_requests"] == p0["kv_transfer_expired_requests"]  # released, not expired
 
 
 def test_bad_kv_transfer_params_are_400s(pd):

@@ -401,6 +401,73 @@ def test_sliding_window_prefill_and_decode(window):
 
 
 # ---------------------------------------------------------------------------
+# int8 / fp8 KV cache (--kv-cache-dtype; tinyvllm.attention.kv_quant's layout)
+# ---------------------------------------------------------------------------
+
+QKIND_DTYPE = {"int8": torch.int8, "fp8": torch.uint8}
+
+
+def quantized_scenario(kind, prefix_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """A :class:`Scenario` whose cache is int8/fp8: the cached prefix rows quantized by ``kv_quant.quantize``
+    (PyTorch ops, the reference format), unwritten rows poisoned with 0x7F bytes (value 127 or an e4m3
+    NaN, scale 3.4e38: a stray read gives inf/NaN), the new tokens stored by ``reshape_and_cache``."""
+    from tinyvllm.attention import kv_quant
+
+    sc = Scenario(prefix_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed)
+    shape = sc.kv_cache.shape[:-1] + (head_dim + kv_quant.SCALE_BYTES,)
+    qc = torch.full(shape, 0x7F, dtype=QKIND_DTYPE[kind])
+    cached = ~torch.isnan(sc.kv_cache.cpu().float()[..., 0])
+    qc[cached] = kv_quant.quantize(sc.kv_cache.cpu()[cached], kind, dtype)
+    qc = qc.to(DEVICE)
+    new_k, new_v = (kv_quant.quantize(t, kind, dtype) for t in (sc.k, sc.v))
+    tk.reshape_and_cache(new_k, new_v, qc[0], qc[1], sc.slot_mapping)
+    flat = qc.reshape(2, -1, num_kv_heads, head_dim + kv_quant.SCALE_BYTES).cpu()
+    for t, slot in enumerate(sc.slot_mapping.tolist()):  # the rows stored are the reference's bytes
+        assert torch.equal(flat[0, slot], new_k[t].cpu()) and torch.equal(flat[1, slot], new_v[t].cpu())
+    ref = ref_attention(sc.q, kv_quant.dequantize(qc[0].cpu()), kv_quant.dequantize(qc[1].cpu()), sc.block_tables,
+                        sc.seq_lens, sc.query_start_loc, sc.scale)
+    return sc, qc, ref
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_prefill_and_decode(kind, dtype):
+    """Both attention kernels over an int8/fp8 cache against float32 attention over ``kv_quant.dequantize``'s
+    rows: chunks after a cached prefix, GQA, head_dim off a power of two; decode split and unsplit."""
+    sc, qc, ref = quantized_scenario(kind, [13, 0, 30], [1, 20, 9], 6, 2, 24, 8, dtype, seed=21)
+    out = tk.paged_prefill_attention(sc.q, qc[0], qc[1], sc.block_tables, sc.seq_lens, sc.query_start_loc,
+                                     sc.scale, block_m=16, block_n=16)
+    assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
+    dc, dqc, dref = quantized_scenario(kind, [0, 6, 40], [1] * 3, 4, 1, 16, 16, dtype, seed=22)
+    for splits in (1, 3):
+        dec = tk.paged_decode_attention(dc.q, dqc[0], dqc[1], dc.block_tables, dc.seq_lens, dc.scale,
+                                        num_splits=splits, block_n=16)
+        assert dec.dtype == dtype and rel_err(dec, dref) <= TOL[dtype]
+
+
+def test_fp8_decode_is_exact_for_every_e4m3_code():
+    """The kernels decode e4m3 with integer ops: a one-key context returns its V row, ``s_v * v_q``, exactly
+    (float32), for all 254 non-NaN codes (subnormals, both zeros, +-448) against torch's float8_e4m3fn."""
+    from tinyvllm.attention import kv_quant
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F/0xFF: NaN
+    d, n = 16, 16  # 16 one-token sequences x 16 values = 256 slots (two padded with code 0)
+    vals = torch.cat([codes, torch.zeros(n * d - codes.numel(), dtype=torch.uint8)]).view(n, 1, d)
+    scale = torch.tensor([0.375], dtype=torch.bfloat16).view(torch.uint8).expand(n, 1, 2)
+    kvc = torch.zeros(2, n, 1, 1, d + 2, dtype=torch.uint8)
+    kvc[1] = torch.cat([vals, scale], -1).view(n, 1, 1, d + 2)
+    kvc[0, ..., d:] = scale.view(n, 1, 1, 2)  # K rows: value 0, scale 0.375
+    kvc = kvc.to(DEVICE)
+    q = torch.randn(n, 1, d).to(DEVICE)
+    bt = torch.arange(n, dtype=torch.int32).view(n, 1).to(DEVICE)
+    sl = torch.ones(n, dtype=torch.int32, device=DEVICE)
+    out = tk.paged_decode_attention(q, kvc[0], kvc[1], bt, sl, d**-0.5, num_splits=1, block_n=16)
+    want = vals.view(torch.float8_e4m3fn).float() * 0.375
+    assert torch.equal(out.cpu(), want)
+    assert torch.equal(want, kv_quant.dequantize(kvc[1].cpu()).view(n, 1, d))
+
+
+# ---------------------------------------------------------------------------
 # fused RMSNorm and rotary embedding
 # ---------------------------------------------------------------------------
 
@@ -465,7 +532,8 @@ import tinyvllm.kernels.triton.ops as tops
 
 assert not tk._interpreting()
 TARGET = GPUTarget("cuda", 90, 32)
-DT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64"}
+DT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32", torch.int64: "i64",
+      torch.int8: "i8", torch.uint8: "u8"}
 done = []
 
 def compile_(jit, args, kw):
@@ -520,6 +588,13 @@ tops.rotary_embedding(torch.zeros(5, dtype=torch.int64), q, k, torch.zeros(10, 6
 kvc8, q8 = torch.zeros(2, 4, bs, nkv, 8, dtype=dt), torch.zeros(5, nh, 8, dtype=dt)
 tk.paged_prefill_attention(q8, kvc8[0], kvc8[1], bt, sl, qsl, 0.1)
 tk.paged_decode_attention(q8[:2], kvc8[0], kvc8[1], bt, sl, 0.1, num_splits=2)
+# int8 / fp8 caches (rows of head_dim + 2 bytes): the quantized store, prefill, decode split + merge, direct
+for qdt in (torch.int8, torch.uint8):
+    qkvc = torch.zeros(2, 4, bs, nkv, hd + 2, dtype=qdt)
+    tk.reshape_and_cache(qkvc[0, 0, :5], qkvc[1, 0, :5], qkvc[0], qkvc[1], torch.zeros(5, dtype=torch.int64))
+    tk.paged_prefill_attention(q, qkvc[0], qkvc[1], bt, sl, qsl, 0.1, block_m=64, block_n=64)
+    tk.paged_decode_attention(q[:2], qkvc[0], qkvc[1], bt, sl, 0.1, num_splits=1 if qdt == torch.uint8 else 4,
+                              block_n=64)
 print("COMPILED", " ".join(done))
 """
 
@@ -543,4 +618,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     names = r.stdout.split("COMPILED", 1)[1].split()
-    assert len(names) == 11, names
+    assert len(names) == 11 + 2 * 3 + 1, names  # the float kernels, then 3 (+1 merge for int8) per KV format

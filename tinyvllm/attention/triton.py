@@ -9,6 +9,10 @@ sequence has one new token, so token ``i`` is sequence ``i``) runs
 else - prefill chunks, mixed steps - runs :func:`~tinyvllm.kernels.triton.attention.paged_prefill_attention`,
 which attends over each sequence's cached prefix and causally within its chunk; ``F.silu``.
 
+An int8/fp8 cache (``--kv-cache-dtype``, :mod:`tinyvllm.attention.kv_quant`): this step's K/V rows are
+quantized with ``kv_quant.quantize`` (the bytes the CPU backends store) and copied by
+``reshape_and_cache``; the attention kernels dequantize in registers.
+
 Both attention kernels read the context only through the block table, so prefix-cached blocks and
 chunked prefill need nothing special. Nothing here reads device values on the host (on CUDA), so a
 decode step can be captured in a CUDA graph. ``triton`` is imported when the backend is built, never
@@ -22,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tinyvllm.attention import kv_quant
 from tinyvllm.attention.base import AttentionBackend, paged_slots
 from tinyvllm.attention.torch_ref import silu_and_mul
 
@@ -95,6 +100,9 @@ class TritonAttentionBackend(AttentionBackend):
         self._ops.rotary_embedding(positions, q, k, cos_sin_cache)  # in place on the qkv output
         tk = self._tk
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kind = kv_quant.quantization_of(kv_cache)
+        if kind is not None:  # int8/fp8 cache: rows quantized here (PyTorch ops, no host sync), stored as bytes
+            k, v = kv_quant.quantize(k, kind, k.dtype), kv_quant.quantize(v, kind, v.dtype)
         tk.reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         if md.decode_only:
             o = tk.paged_decode_attention(q, key_cache, value_cache, md.block_tables, md.seq_lens, scale,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyvllm import envs
-from tinyvllm.attention.kv_quant import QUANTIZED, canonical_kv_cache_dtype, kv_storage
+from tinyvllm.attention.kv_quant import canonical_kv_cache_dtype, kv_storage
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.model.llama import LlamaForCausalLM
 from tinyvllm.outputs import ModelRunnerOutput, TokenLogprobs
@@ -69,21 +69,18 @@ class CachedRequestState:
         self.output_token_ids.append(token_id)
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype, backend: str) -> str:
-    """The canonical ``--kv-cache-dtype`` (``auto`` -> the model dtype's name) for a model of ``dtype`` on
-    the attention backend named ``backend``.
+def check_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The canonical ``--kv-cache-dtype`` (``auto`` -> the model dtype's name) for a model of ``dtype``.
+    Every attention backend (cpu, torch, triton) runs every KV dtype.
 
     Raises:
-        ValueError: an unknown value, or one this backend cannot run (one line, naming the flag).
+        ValueError: an unknown value, or ``bfloat16`` for a model of another dtype (one line, naming the flag).
     """
     kind = canonical_kv_cache_dtype(kv_cache_dtype)
     if kind == "auto":
         return "bfloat16" if dtype == torch.bfloat16 else "auto"
     if kind == "bfloat16" and dtype != torch.bfloat16:
         raise ValueError(f"kv_cache_dtype bfloat16 needs dtype bfloat16 (the model runs in {dtype}; use auto)")
-    if kind in QUANTIZED and backend == "triton":
-        raise ValueError(f"kv_cache_dtype {kind} is not supported by the Triton attention kernels (CUDA); "
-                         f"it runs on the CPU backends (cpu, torch)")
     return kind
 
 
@@ -109,7 +106,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.attn_backend = get_attn_backend(self.device, dtype)  # chosen once; the model runs its ops
-        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, dtype, self.attn_backend.name)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, dtype)
         t0, packed = time.monotonic(), getattr(model, "packed", False)
         model.bind_attn_backend(self.attn_backend)
         if getattr(model, "packed", False) and not packed:

@@ -29,6 +29,19 @@ Three kernels:
    chunk attends to its sequence's cached prefix and causally to itself, all
    read through the block table (FlashAttention-2 style online softmax).
 
+Quantized caches (``--kv-cache-dtype int8|fp8``; the layout is
+:mod:`tinyvllm.attention.kv_quant`'s): a cache of one-byte elements whose rows
+are ``[head_dim values, the 2 bytes of a bfloat16 scale]``, one scale per
+(token, KV head); ``torch.int8`` holds int8 values, ``torch.uint8`` fp8 e4m3
+bits. The caller quantizes the rows it stores (:func:`reshape_and_cache` copies
+``head_dim + 2`` bytes); both attention kernels read the values and scales in
+the tile loop: ``s = (q . k_q) * s_k`` and ``P V = (P * s_v) . v_q`` (the scale
+is per key, so it factors out of each dot product, as SageAttention applies
+its per-block scales after the integer dot product, Zhang et al., ICLR 2025).
+int8 and e4m3 values are exact in bfloat16, so on a GPU the dots run on the
+tensor cores in q's dtype; e4m3 is decoded with integer ops (exact on every
+GPU, sm_89's fp8 conversions not needed).
+
 All softmax math is float32 (scores in the log2 domain, ``exp2``); outputs
 take ``q``'s dtype.  No launcher reads device values on the host, so the
 launchers do not synchronise and are CUDA-graph friendly for fixed shapes.
@@ -76,6 +89,21 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# Quantized cache formats (the ``KV_QUANT`` constexpr): by the cache's element dtype.
+_KV_QUANT = {torch.int8: 1, torch.uint8: 2}  # 1: int8 values; 2: fp8 e4m3 bits
+SCALE_BYTES = 2  # the bfloat16 scale at the end of each quantized row
+
+
+def _kv_quant(key_cache: torch.Tensor) -> int:
+    """0 for a float cache, 1 for int8, 2 for fp8 e4m3 (stored as uint8)."""
+    return _KV_QUANT.get(key_cache.dtype, 0)
+
+
+def _cache_head_dim(key_cache: torch.Tensor) -> int:
+    """The head_dim a cache holds: its last dim, less the scale's bytes for a quantized cache."""
+    return key_cache.shape[-1] - (SCALE_BYTES if _kv_quant(key_cache) else 0)
+
+
 def _paged_strides(q, key_cache, value_cache, block_tables, out) -> tuple[int, ...]:
     """The stride arguments both attention kernels take, in their order: q's token and head strides, each
     cache's block, slot and head strides, the block table's row stride, out's token and head strides."""
@@ -86,7 +114,7 @@ def _paged_strides(q, key_cache, value_cache, block_tables, out) -> tuple[int, .
 def _check_q(q: torch.Tensor, key_cache: torch.Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, num_heads, head_dim], got {tuple(q.shape)}")
-    if q.dtype != key_cache.dtype:
+    if q.dtype != key_cache.dtype and not _kv_quant(key_cache):
         raise ValueError(f"q dtype {q.dtype} != KV cache dtype {key_cache.dtype}")
     if q.device != key_cache.device:
         raise ValueError(f"q is on {q.device} but the KV cache is on {key_cache.device}")
@@ -160,7 +188,9 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write ``k``/``v`` rows ``[num_tokens, num_kv_heads, head_dim]`` into the
-    paged cache at ``slot_mapping`` (slot ``-1`` rows are skipped).  In place."""
+    paged cache at ``slot_mapping`` (slot ``-1`` rows are skipped).  In place.
+    A quantized cache takes rows already quantized to its format (``head_dim
+    + 2`` one-byte elements, ``kv_quant.quantize``): they are copied as bytes."""
     _check_cache(key_cache, value_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
@@ -206,6 +236,30 @@ def reshape_and_cache(
 
 
 @triton.jit
+def _dequant_values(raw, KV_QUANT: tl.constexpr):
+    """Quantized values -> float32, unscaled: int8 as is; fp8 e4m3 bits (sign, 4 exponent bits of bias 7,
+    3 mantissa bits; no NaN is ever stored) decoded with integer ops, exact."""
+    if KV_QUANT == 1:
+        return raw.to(tl.float32)
+    b = raw.to(tl.int32) & 0xFF
+    e = (b >> 3) & 0xF
+    m = b & 7
+    # normal: (8 + m) * 2^(e - 10); subnormal (e == 0): m * 2^-9. 2^x built from its bits.
+    pow2 = ((tl.maximum(e, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
+    mag = (tl.where(e > 0, m + 8, m)).to(tl.float32) * pow2
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.jit
+def _load_row_scale(row_ptr, mask, HEAD_DIM: tl.constexpr):
+    """The bfloat16 scale stored in bytes ``HEAD_DIM`` (low) and ``HEAD_DIM + 1`` (high) of each quantized
+    row (``row_ptr`` [N] one-byte pointers), as float32 [N]; 0 where ``mask`` is off."""
+    lo = tl.load(row_ptr + HEAD_DIM, mask=mask, other=0).to(tl.int32) & 0xFF
+    hi = tl.load(row_ptr + HEAD_DIM + 1, mask=mask, other=0).to(tl.int32) & 0xFF
+    return ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _attend_kv_tile(
     q,
     m_i,
@@ -233,6 +287,8 @@ def _attend_kv_tile(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """One KV tile (positions ``n0 .. n0 + BLOCK_N - 1``, those in ``[kv_lo, kv_end)``) of the online
     softmax (FlashAttention-2, Dao 2023) for a block of query rows ``q`` ``[R, BLOCK_D]`` attending to KV
@@ -240,20 +296,25 @@ def _attend_kv_tile(
     max ``m_i`` and sum ``l_i`` ``[R]`` rescaled, ``acc`` ``[R, BLOCK_D]`` += P V. ``CAUSAL``: row ``r``
     sees keys ``q_pos[r] - win < j <= q_pos[r]`` only (prefill; ``win`` > the context: no window); else
     every key of the tile (decode). A row that sees no key yet keeps ``m_i`` = -inf and adds nothing
-    (``m_safe``). Returns ``(m_i, l_i, acc)``."""
+    (``m_safe``). ``KV_QUANT`` 1/2: an int8/fp8 cache, values dequantized in registers and each key's
+scale (the row's bytes ``HEAD_DIM``, ``HEAD_DIM + 1``) applied to its score and probability.
+Returns ``(m_i, l_i, acc)``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
     blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     tok = (offs_n % block_size).to(tl.int64)
     # K^T tile [BLOCK_D, BLOCK_N]
-    k = tl.load(
-        kc_ptr + blk[None, :] * stride_kcb + tok[None, :] * stride_kcs + kvh * stride_kch + offs_d[:, None],
-        mask=n_mask[None, :] & d_mask[:, None],
-        other=0.0,
-    )
-    if UPCAST:
-        k = k.to(tl.float32)
-    s = tl.dot(q, k, input_precision="ieee") * scale_log2
+    k_row = kc_ptr + blk * stride_kcb + tok * stride_kcs + kvh * stride_kch  # [BLOCK_N] row starts
+    if KV_QUANT == 0:
+        k = tl.load(k_row[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2
+    else:
+        k = tl.load(k_row[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0)
+        k = _dequant_values(k, KV_QUANT).to(q.dtype)  # exact in bf16/fp16/fp32
+        s_k = _load_row_scale(k_row, n_mask, HEAD_DIM)
+        s = tl.dot(q, k, input_precision="ieee") * (s_k * scale_log2)[None, :]
     if CAUSAL:
         allowed = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - win)
     else:
@@ -267,13 +328,15 @@ def _attend_kv_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
     # V tile [BLOCK_N, BLOCK_D]
-    v = tl.load(
-        vc_ptr + blk[:, None] * stride_vcb + tok[:, None] * stride_vcs + kvh * stride_vch + offs_d[None, :],
-        mask=n_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    if UPCAST:
-        v = v.to(tl.float32)
+    v_row = vc_ptr + blk * stride_vcb + tok * stride_vcs + kvh * stride_vch
+    if KV_QUANT == 0:
+        v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+    else:
+        v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
+        v = _dequant_values(v, KV_QUANT).to(q.dtype)
+        p = p * _load_row_scale(v_row, n_mask, HEAD_DIM)[None, :]  # P diag(s_v) . v_q = P . V
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -320,6 +383,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -356,7 +420,7 @@ def _decode_split_kernel(
             q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, n0, lo_key, end, offs_h, 0, offs_d, d_mask, scale_log2,
             block_size,
             stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-            BLOCK_N=BLOCK_N, CAUSAL=False, UPCAST=UPCAST,
+            BLOCK_N=BLOCK_N, CAUSAL=False, UPCAST=UPCAST, KV_QUANT=KV_QUANT, HEAD_DIM=HEAD_DIM,
         )
 
     has = l_i > 0.0
@@ -461,7 +525,8 @@ def paged_decode_attention(
     _check_cache(key_cache, value_cache)
     _check_q(q, key_cache)
     num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    cache_head_dim = _cache_head_dim(key_cache)
     if cache_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if num_heads % num_kv_heads != 0:
@@ -525,6 +590,7 @@ def paged_decode_attention(
             BLOCK_N=block_n,
             DIRECT=direct,
             UPCAST=_upcast_for_dot(q.dtype),
+            KV_QUANT=_kv_quant(key_cache),
             num_warps=4,
             num_stages=2,
         )
@@ -581,6 +647,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     # Query blocks are laid out per sequence: sequence i owns program ids
     # [qsl[i] // BLOCK_M + i, qsl[i+1] // BLOCK_M + i + 1), a range at least
@@ -644,7 +711,7 @@ def _prefill_kernel(
             q, m_i, l_i, acc, kc_ptr, vc_ptr, bt_row, kvh, n0, 0, kv_end, q_pos, win, offs_d, d_mask, scale_log2,
             block_size,
             stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-            BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=UPCAST,
+            BLOCK_N=BLOCK_N, CAUSAL=True, UPCAST=UPCAST, KV_QUANT=KV_QUANT, HEAD_DIM=HEAD_DIM,
         )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -683,7 +750,8 @@ def paged_prefill_attention(
     _check_cache(key_cache, value_cache)
     _check_q(q, key_cache)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    cache_head_dim = _cache_head_dim(key_cache)
     if cache_head_dim != head_dim:
         raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
     if num_heads % num_kv_heads != 0:
@@ -727,6 +795,7 @@ def paged_prefill_attention(
             BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),  # tl.dot needs >= 16; lanes masked
             UPCAST=_upcast_for_dot(q.dtype),
+            KV_QUANT=_kv_quant(key_cache),
             num_warps=4,
             num_stages=2,
         )
