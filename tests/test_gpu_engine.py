@@ -205,7 +205,42 @@ def test_engine_triton_interpreter_matches_cpu_path(tiny_dir, monkeypatch):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter variant runs on CPU-only machines; CUDA runs the native tests")
-@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_triton_backend_stores_the_quantized_rows_and_attends_like_the_torch_backend(monkeypatch, kind):
+    """The Triton backend's ``attention`` on an int8/fp8 cache (interpreted): the K/V bytes it stores are
+    ``kv_quant.quantize``'s, in the right slots, and its output equals the PyTorch reference backend's on the
+    same cache and inputs (a prefill chunk after a cached prefix, then a decode step)."""
+    from tinyvllm.attention import kv_quant
+    from tinyvllm.attention.torch_ref import TorchAttentionBackend
+    from tinyvllm.model.layers import RotaryEmbedding
+
+    _triton_kernels(interpret=True)
+    monkeypatch.setenv("TINYVLLM_ATTENTION", "triton")
+    tb = get_attn_backend("cpu", torch.float32)
+    assert tb.name == "triton"
+    rb = TorchAttentionBackend("cpu")
+    h, hk, d, bs, nb = 4, 2, 16, 4, 8
+    g = torch.Generator().manual_seed(3)
+    caches = [torch.zeros(2, nb, bs, hk, d + 2, dtype={"int8": torch.int8, "fp8": torch.uint8}[kind])
+              for _ in range(2)]
+    tables = [[5, 1, 6], [2, 7, 0]]
+    for query_lens, seq_lens in (([7, 6], [7, 6]), ([4, 2], [11, 8]), ([1, 1], [12, 9])):
+        T = sum(query_lens)
+        qkv = torch.randn(T, (h + 2 * hk) * d, generator=g)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+        outs = []
+        for be, cache in ((tb, caches[0]), (rb, caches[1])):
+            md = be.build_metadata(query_lens, seq_lens, tables, bs)
+            rope = be.rope_inputs(RotaryEmbedding(d, 64, 10000.0), positions)
+            outs.append(be.attention(qkv.clone(), cache, md, rope, h, hk, d, d**-0.5))
+        assert torch.equal(caches[0], caches[1])  # the same bytes: kv_quant.quantize's, in the same slots
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+    assert kv_quant.quantization_of(caches[0]) == kind
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter variant runs on CPU-only machines; CUDA runs the native tests")
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_engine_triton_interpreter_quantized_kv_matches_torch_backend(tiny_dir, monkeypatch, kind):
     """``--kv-cache-dtype int8|fp8`` on the Triton backend (interpreted): the backend quantizes each step's
     K/V rows to the bytes the other backends store and the kernels attend over them, so greedy tokens and
