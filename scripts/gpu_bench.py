@@ -17,6 +17,11 @@ Rows, one table:
     head_dim 64, bf16, block_size 16) next to the PyTorch op a reader would
     otherwise use (SDPA / FlashAttention on contiguous K/V, eager RMSNorm/RoPE,
     index copy), with the max abs difference between the two;
+  * the two attention kernels over an int8 and an fp8 KV cache
+    (``--kv-cache-dtype``, :mod:`tinyvllm.attention.kv_quant`'s rows of
+    head_dim values + a bf16 scale) at the chunk and decode shapes, next to the
+    same kernel over the model-dtype cache (``ref ms``), with the max abs difference
+    from SDPA over the dequantized K/V;
   * with ``--stack``: a stack of the kernels and torch matmuls alone (no
     scheduler), a decode step eager and as one CUDA graph.
 
@@ -48,6 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from tinyvllm.attention import kv_quant  # noqa: E402
 from tinyvllm.kernels.triton import attention as tk  # noqa: E402
 from tinyvllm.kernels.triton import ops as tops  # noqa: E402
 
@@ -309,6 +315,23 @@ def bench_kernels(cfg, ceil):
     add_row("prefill attn (chunk after prefix)", f"prefix={P} chunk={C}", t, ref_t,
             f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err, pct(flops / (t * 1e-3), ceil["flops"]))
 
+    # ---- the same chunk over an int8 / fp8 cache (the same K/V, quantized per row) ----
+    slots2 = slots_for(tables2, [0], [P + C], BS).to(DEV)
+    for kind in kv_quant.QUANTIZED:
+        qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
+        qkv2 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
+        tk.reshape_and_cache(qk, qv, qkv2[0], qkv2[1], slots2)
+        dk, dv = kv_quant.dequantize(qk).to(dt), kv_quant.dequantize(qv).to(dt)
+        qref = F.scaled_dot_product_attention(q2.transpose(0, 1)[None], dk.transpose(0, 1)[None],
+                                              dv.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[0].transpose(0, 1)
+        oq = tk.paged_prefill_attention(q2, qkv2[0], qkv2[1], bt2, sl2, qsl2, scale)
+        err = maxdiff(oq, qref)
+        t = timeit(lambda: tk.paged_prefill_attention(q2, qkv2[0], qkv2[1], bt2, sl2, qsl2, scale, out=oq), it)
+        ref_t = timeit(lambda: tk.paged_prefill_attention(q2, kv2[0], kv2[1], bt2, sl2, qsl2, scale, out=out2), it)
+        add_row(f"prefill attn (chunk, {kind} KV; ref ms: {str(dt)[6:]} KV)", f"prefix={P} chunk={C}", t, ref_t,
+                f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err, pct(flops / (t * 1e-3), ceil["flops"]))
+
     # ---- decode: B sequences of context N ----
     for B, N in cfg["decode_cases"]:
         nb = B * triton.cdiv(N, BS) + 8
@@ -335,6 +358,21 @@ def bench_kernels(cfg, ceil):
             used = splits or tk.default_num_splits(B, KVH, bt3.shape[1] * BS, DEV)
             add_row(f"decode attn (splits={used}{'' if splits else ', auto'})", f"B={B} ctx={N}", t, ref_t,
                     f"{kv_bytes / (t * 1e-3) / 1e9:.0f} GB/s KV", err, pct(kv_bytes / (t * 1e-3), ceil["bw"]))
+            if splits is None:  # the auto split over an int8 / fp8 cache: half the bytes (+ the scales)
+                bf16_t = t
+                for kind in kv_quant.QUANTIZED:
+                    qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
+                    qkv3 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
+                    tk.reshape_and_cache(qk, qv, qkv3[0], qkv3[1], slots_for(tables3, [0] * B, [N] * B, BS).to(DEV))
+                    dk = kv_quant.dequantize(qk).to(dt).view(B, N, KVH, D).transpose(1, 2)
+                    dv = kv_quant.dequantize(qv).to(dt).view(B, N, KVH, D).transpose(1, 2)
+                    qref = F.scaled_dot_product_attention(q3[:, :, None], dk, dv, scale=scale, enable_gqa=True)[:, :, 0]
+                    oq = tk.paged_decode_attention(q3, qkv3[0], qkv3[1], bt3, sl3, scale)
+                    err = maxdiff(oq, qref)
+                    t = timeit(lambda: tk.paged_decode_attention(q3, qkv3[0], qkv3[1], bt3, sl3, scale, out=oq), it)
+                    q_bytes = 2 * B * N * KVH * (D + kv_quant.SCALE_BYTES)
+                    add_row(f"decode attn (auto, {kind} KV; ref ms: {str(dt)[6:]} KV)", f"B={B} ctx={N}", t, bf16_t,
+                            f"{q_bytes / (t * 1e-3) / 1e9:.0f} GB/s KV", err, pct(q_bytes / (t * 1e-3), ceil["bw"]))
 
     # ---- fused RMSNorm + residual, RoPE ----
     T, Hd = cfg["norm_tokens"], cfg["hidden"]

@@ -46,4 +46,7 @@ def test_gpu_bench_smoke_runs_every_section(tmp_path):
     assert {"reshape_and_cache", "prefill attn", "decode attn", "rms_norm + residual",
             "rotary_embedding", "stack decode step"} <= names
     assert all(r["max_abs_diff"] < 1e-5 for r in kernels), kernels  # float32 in the smoke run
+    quantized = [r["case"].split(";")[0] for r in kernels if " KV;" in r["case"]]
+    assert sorted(quantized) == sorted(f"{a} ({b}, {k} KV" for k in ("int8", "fp8")
+                                       for a, b in [("prefill attn", "chunk")] + [("decode attn", "auto")] * 2)
     assert "engine rows NOT RUN" not in proc.stdout

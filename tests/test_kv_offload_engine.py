@@ -78,13 +78,14 @@ def _lens(n_sessions=3, turns=3, tail=40):
 
 def test_preemption_with_tier_resumes_identically(make_smol_llm):
     """A pool far too small for the batch: preempted requests come back through the pool or the tier
-    (their full blocks), and every output equals the one computed alone."""
+    (their full blocks), and every output equals the one computed in a pool that holds them all."""
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randrange(40, 120))]}
                for _ in range(6)]  # 6 x 16 tokens (8 x 24 before 2026-12-05): still ~3x what 16 blocks hold
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = make_smol_llm()
-    want = [alone.generate(p, sp)[0].outputs[0].token_ids for p in prompts]
+    want = [o.outputs[0].token_ids for o in alone.generate(prompts, sp)]
+    assert alone.stats()["num_preemptions"] == 0  # a pool that holds them all
     llm = make_smol_llm(num_kv_blocks=16, kv_offload_size="64MiB")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert got == want
