@@ -21,7 +21,7 @@ Rows, one table:
     (``--kv-cache-dtype``, :mod:`tinyvllm.attention.kv_quant`'s rows of
     head_dim values + a bf16 scale) at the chunk and decode shapes, next to the
     same kernel over the model-dtype cache (``ref ms``), with the max abs difference
-    from SDPA over the dequantized K/V;
+    from float32 SDPA over the dequantized K/V;
   * with ``--stack``: a stack of the kernels and torch matmuls alone (no
     scheduler), a decode step eager and as one CUDA graph.
 
@@ -321,8 +321,8 @@ def bench_kernels(cfg, ceil):
         qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
         qkv2 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
         tk.reshape_and_cache(qk, qv, qkv2[0], qkv2[1], slots2)
-        dk, dv = kv_quant.dequantize(qk).to(dt), kv_quant.dequantize(qv).to(dt)
-        qref = F.scaled_dot_product_attention(q2.transpose(0, 1)[None], dk.transpose(0, 1)[None],
+        dk, dv = kv_quant.dequantize(qk), kv_quant.dequantize(qv)  # float32, exact; the reference in float32
+        qref = F.scaled_dot_product_attention(q2.float().transpose(0, 1)[None], dk.transpose(0, 1)[None],
                                               dv.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)
         oq = tk.paged_prefill_attention(q2, qkv2[0], qkv2[1], bt2, sl2, qsl2, scale)
@@ -364,9 +364,10 @@ def bench_kernels(cfg, ceil):
                     qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
                     qkv3 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
                     tk.reshape_and_cache(qk, qv, qkv3[0], qkv3[1], slots_for(tables3, [0] * B, [N] * B, BS).to(DEV))
-                    dk = kv_quant.dequantize(qk).to(dt).view(B, N, KVH, D).transpose(1, 2)
-                    dv = kv_quant.dequantize(qv).to(dt).view(B, N, KVH, D).transpose(1, 2)
-                    qref = F.scaled_dot_product_attention(q3[:, :, None], dk, dv, scale=scale, enable_gqa=True)[:, :, 0]
+                    dk = kv_quant.dequantize(qk).view(B, N, KVH, D).transpose(1, 2)  # float32 reference
+                    dv = kv_quant.dequantize(qv).view(B, N, KVH, D).transpose(1, 2)
+                    qref = F.scaled_dot_product_attention(q3.float()[:, :, None], dk, dv, scale=scale,
+                                                          enable_gqa=True)[:, :, 0]
                     oq = tk.paged_decode_attention(q3, qkv3[0], qkv3[1], bt3, sl3, scale)
                     err = maxdiff(oq, qref)
                     t = timeit(lambda: tk.paged_decode_attention(q3, qkv3[0], qkv3[1], bt3, sl3, scale, out=oq), it)

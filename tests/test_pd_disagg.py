@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -58,6 +59,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class UncheckedTiming(Warning):
+    """A check that needs the machine to answer within a TTL, skipped because it did not (shown in pytest's
+    warnings summary: not a UserWarning, which pyproject's filterwarnings hides)."""
 
 
 class Router:
@@ -342,6 +348,9 @@ def test_decode_request_with_prompt_logprobs_computes_its_prompt_and_releases_th
     p1 = _stats(prefill)
     if in_time:
         assert p1["kv_transfer_expired_requests"] == p0["kv_transfer_expired_requests"]  # released, not expired
+    else:
+        warnings.warn(UncheckedTiming("the decode engine answered after the prefill's KV TTL: the release before "
+                                      "the TTL was not checked this run"))
 
 
 def test_bad_kv_transfer_params_are_400s(pd):

@@ -429,11 +429,12 @@ def quantized_scenario(kind, prefix_lens, q_lens, num_heads, num_kv_heads, head_
     return sc, qc, ref
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,dtype", [("int8", torch.bfloat16), ("fp8", torch.bfloat16), ("int8", torch.float16),
+                                        ("fp8", torch.float16), ("fp8", torch.float32)])
 def test_quantized_cache_prefill_and_decode(kind, dtype):
     """Both attention kernels over an int8/fp8 cache against float32 attention over ``kv_quant.dequantize``'s
-    rows: chunks after a cached prefix, GQA, head_dim off a power of two; decode split and unsplit."""
+    rows: chunks after a cached prefix, GQA, head_dim off a power of two; decode split and unsplit. fp16 runs
+    the GPU's arithmetic under the interpreter too (no upcast): the dots in fp16, V rounded to fp16."""
     sc, qc, ref = quantized_scenario(kind, [13, 0, 30], [1, 20, 9], 6, 2, 24, 8, dtype, seed=21)
     out = tk.paged_prefill_attention(sc.q, qc[0], qc[1], sc.block_tables, sc.seq_lens, sc.query_start_loc,
                                      sc.scale, block_m=16, block_n=16)

@@ -35,12 +35,12 @@ are ``[head_dim values, the 2 bytes of a bfloat16 scale]``, one scale per
 (token, KV head); ``torch.int8`` holds int8 values, ``torch.uint8`` fp8 e4m3
 bits. The caller quantizes the rows it stores (:func:`reshape_and_cache` copies
 ``head_dim + 2`` bytes); both attention kernels read the values and scales in
-the tile loop: ``s = (q . k_q) * s_k`` and ``P V = (P * s_v) . v_q`` (the scale
-is per key, so it factors out of each dot product, as SageAttention applies
-its per-block scales after the integer dot product, Zhang et al., ICLR 2025).
-int8 and e4m3 values are exact in bfloat16, so on a GPU the dots run on the
-tensor cores in q's dtype; e4m3 is decoded with integer ops (exact on every
-GPU, sm_89's fp8 conversions not needed).
+the tile loop: ``s = (q . k_q) * s_k`` (K's scale is per key, so it factors out
+of the dot product, as SageAttention applies its scales after the integer dot
+product, Zhang et al., ICLR 2025; int8 and e4m3 values are exact in bf16 and
+fp16, so the dot runs in q's dtype), and ``V = s_v * v_q`` rounded once to q's
+dtype before ``P V``. e4m3 is decoded with integer ops (exact; sm_89's fp8
+conversions are not needed).
 
 All softmax math is float32 (scores in the log2 domain, ``exp2``); outputs
 take ``q``'s dtype.  No launcher reads device values on the host, so the
@@ -297,7 +297,7 @@ def _attend_kv_tile(
     sees keys ``q_pos[r] - win < j <= q_pos[r]`` only (prefill; ``win`` > the context: no window); else
     every key of the tile (decode). A row that sees no key yet keeps ``m_i`` = -inf and adds nothing
     (``m_safe``). ``KV_QUANT`` 1/2: an int8/fp8 cache, values dequantized in registers and each key's
-scale (the row's bytes ``HEAD_DIM``, ``HEAD_DIM + 1``) applied to its score and probability.
+scale (the row's bytes ``HEAD_DIM``, ``HEAD_DIM + 1``) applied to its score and to its V row.
 Returns ``(m_i, l_i, acc)``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
@@ -335,8 +335,9 @@ Returns ``(m_i, l_i, acc)``."""
             v = v.to(tl.float32)
     else:
         v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
-        v = _dequant_values(v, KV_QUANT).to(q.dtype)
-        p = p * _load_row_scale(v_row, n_mask, HEAD_DIM)[None, :]  # P diag(s_v) . v_q = P . V
+        # V = diag(s_v) V_q, rounded once to q's dtype (as the CPU kernels round it to bf16): V keeps its own
+        # magnitude, where folding s_v into P would push P's small entries into fp16's subnormals.
+        v = (_dequant_values(v, KV_QUANT) * _load_row_scale(v_row, n_mask, HEAD_DIM)[:, None]).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
