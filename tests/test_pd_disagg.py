@@ -565,6 +565,48 @@ def test_kv_events_in_vllm_format_mirror_the_prefix_cache(tiny_pd):
         core.kv_event_publisher.shutdown()
 
 
+def test_a_release_before_the_send_is_registered_frees_the_blocks_at_registration():
+    """The prefill engine's worker registers a request's kept blocks when the step after the request finished
+    binds its metadata; the client holds the kv_transfer_params before that, and a fast decode engine can
+    release them first. The side channel (a real ZMQ socket) remembers such a release, and the blocks are
+    freed as they are registered, not kept until the TTL; a release of an id that never registers is
+    forgotten after the TTL."""
+    import msgspec
+    import zmq
+
+    from tinyvllm.config import KVTransferConfig
+    from tinyvllm.distributed.kv_transfer.base import KVConnectorRole
+    from tinyvllm.distributed.kv_transfer.zmq_connector import SendSpec, ZmqConnector, ZmqConnectorMetadata
+
+    cfg = KVTransferConfig(kv_connector="ZmqConnector", kv_role="kv_producer",
+                           kv_connector_extra_config={"abort_request_timeout": 0.5})
+    worker = ZmqConnector(cfg, KVConnectorRole.WORKER, {"block_size": 16, "engine_id": "p", "fingerprint": "f"})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{worker.handshake_info()['side_channel_port']}")
+        for rid in ("early", "never-registered"):
+            sock.send_multipart([b"", msgspec.msgpack.encode({"op": "release", "req": rid})])
+        deadline = time.monotonic() + 10
+        while len(worker._released_early) < 2 and time.monotonic() < deadline:  # the side channel's thread
+            time.sleep(0.01)
+        assert list(worker._released_early) == ["early", "never-registered"]
+        meta = ZmqConnectorMetadata(sends=[SendSpec("early", [3, 4], "h"), SendSpec("late", [5], "h")])
+        worker.bind_connector_metadata(msgspec.msgpack.encode(meta))
+        worker.start_load_kv()
+        out = worker.get_finished(set())
+        assert out.finished_sending == ["early"] and out.num_expired == 0  # freed at registration
+        assert list(worker._sends) == ["late"]  # registered as usual: kept for a pull
+        time.sleep(0.6)
+        out = worker.get_finished(set())
+        assert out.finished_sending == ["late"] and out.num_expired == 1  # the TTL still frees unclaimed ones
+        assert not worker._released_early  # the unregistered id's release is forgotten after the TTL
+    finally:
+        sock.close(0)
+        ctx.term()
+        worker.shutdown()
+
+
 def _serve_error(args: list[str], timeout: float = 120) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--model", MODEL, "--port", "0", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,

@@ -19,7 +19,10 @@ The HTTP protocol is vLLM's (``NixlConnector``), so that vllm-router's ``--vllm-
    ``num_computed_tokens = len(prompt) - 1``: the decode engine computes one token of the prompt, then decodes.
 3. The prefill engine frees the blocks once they were sent, when the decode engine releases them (it aborted
    first), or after ``TINYVLLM_KV_ABORT_REQUEST_TIMEOUT`` seconds (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``)
-   if nobody pulls them.
+   if nobody pulls them. Its worker registers the kept blocks when the step after the request finished
+   binds its metadata, while the client may already hold the ``kv_transfer_params``: a pull that comes
+   first is answered "unknown" and asked again; a release that comes first is remembered (for the timeout)
+   and frees the blocks as they are registered.
 
 Any failure of a pull (peer unreachable within ``transfer_timeout``, blocks already freed, another model or KV
 layout, another prompt, a block size that differs) makes the decode engine free what it allocated and compute
@@ -287,6 +290,10 @@ class ZmqConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._sends: dict[str, _Send] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
+        # Releases that arrived before their send was registered (a send registers when the step after its
+        # request finished binds its metadata; the client may already hold the kv_transfer_params and a fast
+        # decode engine release them first): request id -> when to stop waiting for it.
+        self._released_early: OrderedDict[str, float] = OrderedDict()
         self._done_sending: list[str] = []
         self._num_expired = 0
         self._loads: dict[str, LoadSpec] = {}
@@ -335,6 +342,11 @@ class ZmqConnector(KVConnectorBase_V1):
             deadline = time.monotonic() + self.opts["abort_request_timeout"]
             with self._lock:
                 for s in meta.sends:
+                    if self._released_early.pop(s.req_id, None) is not None:  # released already: free at once
+                        self._forget(s.req_id)
+                        self._done_sending.append(s.req_id)
+                        self._event.set()
+                        continue
                     self._sends[s.req_id] = _Send(s.block_ids, frozenset(s.block_ids), s.prompt_hash, deadline)
         for spec in meta.loads:
             self._loads[spec.req_id] = spec
@@ -372,6 +384,8 @@ class ZmqConnector(KVConnectorBase_V1):
         if self.produces:
             now = time.monotonic()
             with self._lock:
+                while self._released_early and next(iter(self._released_early.values())) <= now:
+                    self._released_early.popitem(last=False)  # never registered here (another engine's id)
                 for rid in [r for r, s in self._sends.items() if s.deadline <= now]:
                     del self._sends[rid]
                     self._forget(rid)
@@ -479,6 +493,10 @@ class ZmqConnector(KVConnectorBase_V1):
                     self._forget(rid)
                     self._done_sending.append(rid)
                     self._event.set()
+                elif isinstance(rid, str) and rid not in self._gone:  # not registered yet: free it when it is
+                    self._released_early[rid] = time.monotonic() + self.opts["abort_request_timeout"]
+                    while len(self._released_early) > _GONE_MEMORY:
+                        self._released_early.popitem(last=False)
             return None
         if op != "pull":
             return None
