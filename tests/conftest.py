@@ -18,6 +18,34 @@ for _name in ("request", "stream", "get", "options", "head", "post", "put", "pat
     setattr(httpx, _name, functools.partial(getattr(httpx, _name), verify=False))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _drop_cache_entries_of_test_ggufs(tmp_path_factory):
+    """After the session: remove from ``$TINYVLLM_CACHE`` what the GGUFs the tests wrote (under this session's
+    basetemp) left there: their conversions (``loader.convert_gguf_cached``), the weights prepared from those,
+    and their native repacks (``gguf_quant.native_cache_path``). Each is keyed by its file's path, so without
+    this every run left ~10 new entries (29 MB each for a random GGUF with SmolLM2's vocabulary) in the
+    user's cache for good. Only entries derived from files under the basetemp are touched."""
+    yield
+    import shutil
+
+    from tinyvllm import envs
+    from tinyvllm.model.gguf_quant import native_cache_path
+    from tinyvllm.model.loader import _gguf_key
+
+    root, base = envs.TINYVLLM_CACHE, tmp_path_factory.getbasetemp()
+    for gguf in base.rglob("*.gguf"):
+        try:
+            converted = root / _gguf_key(gguf)
+            native, _ = native_cache_path(gguf)
+        except OSError:
+            continue
+        if converted.is_dir():
+            for prepared in (root / "weights").glob(converted.name + "-*.safetensors"):
+                prepared.unlink(missing_ok=True)
+            shutil.rmtree(converted, ignore_errors=True)
+        native.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="session")
 def smol_llm():
     """The embedded SmolLM2-135M-Instruct in bfloat16 (the default dtype)."""
