@@ -3,7 +3,7 @@
 #   bash scripts/gpu_check.sh            # kernel tests, engine tests, then the timing table
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
 # Needs a Python with CUDA torch + triton (the repo's .venv is CPU-only, so the
-# system python3 is the default).  Whole run: ~4-6 minutes on an H100/H200,
+# system python3 is the default).  Whole run: ~5-7 minutes on an H100/H200 (an estimate: never run),
 # dominated by Triton JIT compilation; each stage has its own timeout.
 # The table is also written as JSON to $OUT/gpu_bench.json (the device tool's
 # output folder) or bench_results/gpu_bench.json.
