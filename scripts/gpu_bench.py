@@ -246,6 +246,15 @@ def slots_for(tables, starts, ends, block_size):
 # ---------------------------------------------------------------------------
 
 
+def quantized_cache(k, v, kind, num_blocks, block_size, slots, dt):
+    """``k``/``v`` rows [T, Hk, D] stored in a fresh int8/fp8 paged cache (``kv_quant.quantize``,
+    ``reshape_and_cache``), and their dequantized float32 rows (exact: the reference attends over them)."""
+    qk, qv = kv_quant.quantize(k, kind, dt), kv_quant.quantize(v, kind, dt)
+    cache = torch.zeros(2, num_blocks, block_size, *qk.shape[1:], dtype=qk.dtype, device=DEV)
+    tk.reshape_and_cache(qk, qv, cache[0], cache[1], slots)
+    return cache, kv_quant.dequantize(qk), kv_quant.dequantize(qv)
+
+
 def bench_kernels(cfg, ceil):
     add_section("Triton kernels vs PyTorch op")
     H, KVH, D, BS = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["block_size"]
@@ -295,7 +304,8 @@ def bench_kernels(cfg, ceil):
     tables2 = make_tables([P + C], BS, nb, gen)
     kk = torch.randn(P + C, KVH, D, generator=gen).to(dt).to(DEV)
     vv = torch.randn(P + C, KVH, D, generator=gen).to(dt).to(DEV)
-    tk.reshape_and_cache(kk, vv, kv2[0], kv2[1], slots_for(tables2, [0], [P + C], BS).to(DEV))
+    slots2 = slots_for(tables2, [0], [P + C], BS).to(DEV)
+    tk.reshape_and_cache(kk, vv, kv2[0], kv2[1], slots2)
     q2 = torch.randn(C, H, D, generator=gen).to(dt).to(DEV)
     bt2, sl2 = tables2.to(DEV), torch.tensor([P + C], dtype=torch.int32, device=DEV)
     qsl2 = torch.tensor([0, C], dtype=torch.int32, device=DEV)
@@ -316,12 +326,8 @@ def bench_kernels(cfg, ceil):
             f"{flops / (t * 1e-3) / 1e12:.1f} TFLOP/s", err, pct(flops / (t * 1e-3), ceil["flops"]))
 
     # ---- the same chunk over an int8 / fp8 cache (the same K/V, quantized per row) ----
-    slots2 = slots_for(tables2, [0], [P + C], BS).to(DEV)
     for kind in kv_quant.QUANTIZED:
-        qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
-        qkv2 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
-        tk.reshape_and_cache(qk, qv, qkv2[0], qkv2[1], slots2)
-        dk, dv = kv_quant.dequantize(qk), kv_quant.dequantize(qv)  # float32, exact; the reference in float32
+        qkv2, dk, dv = quantized_cache(kk, vv, kind, nb, BS, slots2, dt)  # the reference in float32
         qref = F.scaled_dot_product_attention(q2.float().transpose(0, 1)[None], dk.transpose(0, 1)[None],
                                               dv.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                               enable_gqa=True)[0].transpose(0, 1)
@@ -339,7 +345,8 @@ def bench_kernels(cfg, ceil):
         tables3 = make_tables([N] * B, BS, nb, gen)
         kk = torch.randn(B * N, KVH, D, generator=gen).to(dt).to(DEV)
         vv = torch.randn(B * N, KVH, D, generator=gen).to(dt).to(DEV)
-        tk.reshape_and_cache(kk, vv, kv3[0], kv3[1], slots_for(tables3, [0] * B, [N] * B, BS).to(DEV))
+        slots3 = slots_for(tables3, [0] * B, [N] * B, BS).to(DEV)
+        tk.reshape_and_cache(kk, vv, kv3[0], kv3[1], slots3)
         q3 = torch.randn(B, H, D, generator=gen).to(dt).to(DEV)
         bt3, sl3 = tables3.to(DEV), torch.full((B,), N, dtype=torch.int32, device=DEV)
         ks = kk.view(B, N, KVH, D).transpose(1, 2)
@@ -361,11 +368,8 @@ def bench_kernels(cfg, ceil):
             if splits is None:  # the auto split over an int8 / fp8 cache: half the bytes (+ the scales)
                 bf16_t = t
                 for kind in kv_quant.QUANTIZED:
-                    qk, qv = kv_quant.quantize(kk, kind, dt), kv_quant.quantize(vv, kind, dt)
-                    qkv3 = torch.zeros(2, nb, BS, KVH, D + kv_quant.SCALE_BYTES, dtype=qk.dtype, device=DEV)
-                    tk.reshape_and_cache(qk, qv, qkv3[0], qkv3[1], slots_for(tables3, [0] * B, [N] * B, BS).to(DEV))
-                    dk = kv_quant.dequantize(qk).view(B, N, KVH, D).transpose(1, 2)  # float32 reference
-                    dv = kv_quant.dequantize(qv).view(B, N, KVH, D).transpose(1, 2)
+                    qkv3, dk, dv = quantized_cache(kk, vv, kind, nb, BS, slots3, dt)  # float32 reference
+                    dk, dv = (x.view(B, N, KVH, D).transpose(1, 2) for x in (dk, dv))
                     qref = F.scaled_dot_product_attention(q3.float()[:, :, None], dk, dv, scale=scale,
                                                           enable_gqa=True)[:, :, 0]
                     oq = tk.paged_decode_attention(q3, qkv3[0], qkv3[1], bt3, sl3, scale)

@@ -221,8 +221,8 @@ def test_triton_backend_stores_the_quantized_rows_and_attends_like_the_torch_bac
     rb = TorchAttentionBackend("cpu")
     h, hk, d, bs, nb = 4, 2, 16, 4, 8
     g = torch.Generator().manual_seed(3)
-    caches = [torch.zeros(2, nb, bs, hk, d + 2, dtype={"int8": torch.int8, "fp8": torch.uint8}[kind])
-              for _ in range(2)]
+    elem, extra = kv_quant.kv_storage(kind, torch.float32)
+    caches = [torch.zeros(2, nb, bs, hk, d + extra, dtype=elem) for _ in range(2)]
     tables = [[5, 1, 6], [2, 7, 0]]
     for query_lens, seq_lens in (([7, 6], [7, 6]), ([4, 2], [11, 8]), ([1, 1], [12, 9])):
         T = sum(query_lens)
@@ -247,6 +247,7 @@ def test_engine_triton_interpreter_quantized_kv_matches_torch_backend(tiny_dir, 
     logprobs equal the PyTorch reference backend's on the same cache format (chunked prefill, mixed and
     decode-only steps, prefix-cache hits)."""
     from tinyvllm import LLM
+    from tinyvllm.attention import kv_quant
 
     tk = _triton_kernels(interpret=True)
     monkeypatch.setenv("TINYVLLM_ATTENTION", "torch")
@@ -255,7 +256,7 @@ def test_engine_triton_interpreter_quantized_kv_matches_torch_backend(tiny_dir, 
     orig = tk.paged_prefill_attention
 
     def counted(q, key_cache, *a, **k):
-        assert key_cache.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+        assert kv_quant.quantization_of(key_cache) == kind
         calls["prefill"] += 1
         return orig(q, key_cache, *a, **k)
 

@@ -404,7 +404,12 @@ def test_sliding_window_prefill_and_decode(window):
 # int8 / fp8 KV cache (--kv-cache-dtype; tinyvllm.attention.kv_quant's layout)
 # ---------------------------------------------------------------------------
 
-QKIND_DTYPE = {"int8": torch.int8, "fp8": torch.uint8}
+def test_kernel_module_restates_kv_quant_layout():
+    """The kernels sit below ``tinyvllm.attention`` (layering) and restate its quantized layout: they agree."""
+    from tinyvllm.attention import kv_quant
+
+    assert tk.SCALE_BYTES == kv_quant.SCALE_BYTES
+    assert {kv_quant.kv_storage(kind, torch.float32)[0] for kind in kv_quant.QUANTIZED} == set(tk._KV_QUANT)
 
 
 def quantized_scenario(kind, prefix_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -415,7 +420,7 @@ def quantized_scenario(kind, prefix_lens, q_lens, num_heads, num_kv_heads, head_
 
     sc = Scenario(prefix_lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed)
     shape = sc.kv_cache.shape[:-1] + (head_dim + kv_quant.SCALE_BYTES,)
-    qc = torch.full(shape, 0x7F, dtype=QKIND_DTYPE[kind])
+    qc = torch.full(shape, 0x7F, dtype=kv_quant.kv_storage(kind, dtype)[0])
     cached = ~torch.isnan(sc.kv_cache.cpu().float()[..., 0])
     qc[cached] = kv_quant.quantize(sc.kv_cache.cpu()[cached], kind, dtype)
     qc = qc.to(DEVICE)

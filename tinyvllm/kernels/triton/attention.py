@@ -89,7 +89,9 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# Quantized cache formats (the ``KV_QUANT`` constexpr): by the cache's element dtype.
+# Quantized cache formats (the ``KV_QUANT`` constexpr), by the cache's element dtype. The layout is
+# kv_quant's (its _STORAGE and SCALE_BYTES); restated here because the kernels sit below tinyvllm.attention
+# in the layering contract (pyproject.toml), and tests/test_triton_kernels.py checks the two agree.
 _KV_QUANT = {torch.int8: 1, torch.uint8: 2}  # 1: int8 values; 2: fp8 e4m3 bits
 SCALE_BYTES = 2  # the bfloat16 scale at the end of each quantized row
 
@@ -297,21 +299,20 @@ def _attend_kv_tile(
     sees keys ``q_pos[r] - win < j <= q_pos[r]`` only (prefill; ``win`` > the context: no window); else
     every key of the tile (decode). A row that sees no key yet keeps ``m_i`` = -inf and adds nothing
     (``m_safe``). ``KV_QUANT`` 1/2: an int8/fp8 cache, values dequantized in registers and each key's
-scale (the row's bytes ``HEAD_DIM``, ``HEAD_DIM + 1``) applied to its score and to its V row.
-Returns ``(m_i, l_i, acc)``."""
+    scale (the row's bytes ``HEAD_DIM``, ``HEAD_DIM + 1``) applied to its score and to its V row.
+    Returns ``(m_i, l_i, acc)``."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = (offs_n < kv_end) & (offs_n >= kv_lo)
     blk = tl.load(bt_row + offs_n // block_size, mask=n_mask, other=0).to(tl.int64)
     tok = (offs_n % block_size).to(tl.int64)
     # K^T tile [BLOCK_D, BLOCK_N]
     k_row = kc_ptr + blk * stride_kcb + tok * stride_kcs + kvh * stride_kch  # [BLOCK_N] row starts
+    k = tl.load(k_row[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0)
     if KV_QUANT == 0:
-        k = tl.load(k_row[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2
     else:
-        k = tl.load(k_row[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0)
         k = _dequant_values(k, KV_QUANT).to(q.dtype)  # exact in bf16/fp16/fp32
         s_k = _load_row_scale(k_row, n_mask, HEAD_DIM)
         s = tl.dot(q, k, input_precision="ieee") * (s_k * scale_log2)[None, :]
@@ -329,12 +330,11 @@ Returns ``(m_i, l_i, acc)``."""
 
     # V tile [BLOCK_N, BLOCK_D]
     v_row = vc_ptr + blk * stride_vcb + tok * stride_vcs + kvh * stride_vch
+    v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
     if KV_QUANT == 0:
-        v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
     else:
-        v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
         # V = diag(s_v) V_q, rounded once to q's dtype (as the CPU kernels round it to bf16): V keeps its own
         # magnitude, where folding s_v into P would push P's small entries into fp16's subnormals.
         v = (_dequant_values(v, KV_QUANT) * _load_row_scale(v_row, n_mask, HEAD_DIM)[:, None]).to(q.dtype)
