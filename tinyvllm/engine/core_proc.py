@@ -135,8 +135,10 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             # Orphaned (the API process died): remove the socket directory it cannot clean up.
             shutil.rmtree(os.path.dirname(input_addr[len("ipc://"):]), ignore_errors=True)
         logger.info("engine core process exiting")
-    if code:
-        sys.exit(code)
+    # Everything this process owns is closed above: skip the interpreter's teardown (module and tensor
+    # finalizers, 0.3 s with torch loaded, measured), as multiprocessing's fork start method does.
+    logging.shutdown()
+    os._exit(code)
 
 
 def _busy_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int, stop: dict) -> None:
