@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -114,6 +115,20 @@ CHAT_PROMPTS = [
     "Translate 'good morning' into Spanish.",
     "How many legs does a spider have?",
 ]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start the background work of the selected tests that have some (a module-level
+    ``_start_<test name>_in_background(tmp)`` function, e.g. test_triton_kernels' sm_90 compiles): subprocesses
+    at nice 19 that use the CPU the other tests leave idle (the suite keeps ~0.6 of 2 cores idle on average,
+    waiting on servers), collected by their test wherever the random order puts it."""
+    import tempfile
+
+    for item in items:
+        start = getattr(getattr(item, "module", None), f"_start_{getattr(item, 'originalname', '')}_in_background",
+                        None)
+        if start is not None:
+            start(Path(tempfile.mkdtemp(prefix="background-", dir=config._tmp_path_factory.getbasetemp())))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
+    # The C++ kernels are loaded (once per process) before the cache moves: the first engine of a session
+    # built with an empty TINYVLLM_CACHE would build them again there (~2 min on 2 cores), which a random
+    # order that runs this module first used to pay.
+    from tinyvllm.kernels.cpu import cpu_kernels
+
+    cpu_kernels()
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(W, "PREPARED_MIN_BYTES", 0)  # the tiny model is cached too
     return tmp_path / "cache"
