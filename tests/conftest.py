@@ -96,6 +96,19 @@ def shared_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory):
+    """The session's second shared ``tinyvllm serve`` (flags: ``server_utils.keyed_server_args``): two API keys
+    (``KEYED_SERVER_KEYS``; ``srv.headers`` carries the first) and a Responses store at ``srv.store_path``."""
+    from server_utils import KEYED_SERVER_KEYS, keyed_server_args, running_server
+
+    tmp = tmp_path_factory.mktemp("keyed_server")
+    for srv in running_server(tmp / "server.log", keyed_server_args(tmp / "responses.sqlite")):
+        srv.headers = {"Authorization": f"Bearer {KEYED_SERVER_KEYS[0]}"}
+        srv.store_path = tmp / "responses.sqlite"
+        yield srv
+
+
+@pytest.fixture(scope="session")
 def make_smol_llm(smol_llm):
     """Factory for bf16 engines with other options, sharing the loaded weights."""
     from tinyvllm import LLM

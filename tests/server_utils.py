@@ -163,6 +163,18 @@ SHARED_SERVER_ARGS = ["--max-model-len", str(SHARED_MAX_MODEL_LEN), "--max-num-s
 TOOL_SERVER_ARGS = SHARED_SERVER_ARGS
 
 
+# The session's keyed server (``keyed_server`` in tests/conftest.py): the shared server's flags plus two API keys,
+# a Responses store bounded to a few responses, and the qwen3 reasoning parser (SmolLM2 never writes <think> by
+# itself). test_responses_api's server; test_messages_api checks ``--api-key`` on it too.
+KEYED_SERVER_KEYS = ("key-a", "key-b")
+KEYED_MAX_STORED = 6
+
+
+def keyed_server_args(store_path: Path) -> list[str]:
+    return [*SHARED_SERVER_ARGS, "--api-key", *KEYED_SERVER_KEYS, "--responses-store-path", str(store_path),
+            "--responses-store-max-count", str(KEYED_MAX_STORED), "--reasoning-parser", "qwen3"]
+
+
 def running_server(log: Path, args: list[str]):
     """Generator for a module fixture: a started, healthy ``Server`` (a start failure fails the test with
     its reason), stopped afterwards. Use as ``yield from running_server(...)``."""

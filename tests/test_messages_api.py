@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server_utils import Server
+from server_utils import KEYED_SERVER_KEYS, SHARED_BODY_CAP
 
 MODEL = "SmolLM2-135M-Instruct"
 HELLO = [{"role": "user", "content": "Say hello in one short sentence."}]
@@ -182,31 +182,26 @@ def test_bad_sampling_values_name_the_field(server):
         {"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]}, "messages[0].content[0]")
 
 
-def test_api_key_as_x_api_key_or_bearer(tmp_path):
-    # --api-key: the SDK's x-api-key header is accepted as well as Authorization: Bearer; a wrong key is a 401
-    # in Anthropic's shape (authentication_error)
-    srv = Server(tmp_path / "server.log", ["--max-model-len", "256", "--kv-cache-memory", "32MiB",
-                                           "--api-key", "sekrit", "--max-request-body-bytes", "4096"])
-    try:
-        srv.wait_healthy()
-        ok = anthropic.Anthropic(base_url=srv.base, api_key="sekrit", max_retries=0, timeout=60)
-        assert ok.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
-        bearer = anthropic.Anthropic(base_url=srv.base, auth_token="sekrit", max_retries=0, timeout=60)
-        assert bearer.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
-        bad = anthropic.Anthropic(base_url=srv.base, api_key="wrong", max_retries=0, timeout=60)
-        with pytest.raises(anthropic.AuthenticationError) as e:
-            bad.messages.create(model=MODEL, max_tokens=2, messages=HELLO)
-        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
-        # a body over --max-request-body-bytes: 413, in Anthropic's shape on /v1/messages, OpenAI's elsewhere
-        big = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 8000}]}
-        with pytest.raises(anthropic.APIStatusError) as e:
-            ok.messages.create(**big)
-        assert e.value.status_code == 413 and e.value.body["type"] == "error"
-        assert e.value.body["error"]["type"] == "request_too_large"
-        r = httpx.post(srv.base + "/v1/chat/completions", json=big, headers={"Authorization": "Bearer sekrit"})
-        assert r.status_code == 413 and r.json()["error"]["code"] == 413
-    finally:
-        srv.stop()
+def test_api_key_as_x_api_key_or_bearer(keyed_server):
+    # --api-key (the session's keyed server, tests/conftest.py): the SDK's x-api-key header is accepted as well as
+    # Authorization: Bearer; a wrong key is a 401 in Anthropic's shape (authentication_error)
+    srv, key = keyed_server, KEYED_SERVER_KEYS[0]
+    ok = anthropic.Anthropic(base_url=srv.base, api_key=key, max_retries=0, timeout=60)
+    assert ok.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
+    bearer = anthropic.Anthropic(base_url=srv.base, auth_token=key, max_retries=0, timeout=60)
+    assert bearer.messages.count_tokens(model=MODEL, messages=HELLO).input_tokens > 0
+    bad = anthropic.Anthropic(base_url=srv.base, api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model=MODEL, max_tokens=2, messages=HELLO)
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    # a body over --max-request-body-bytes: 413, in Anthropic's shape on /v1/messages, OpenAI's elsewhere
+    big = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * SHARED_BODY_CAP}]}
+    with pytest.raises(anthropic.APIStatusError) as e:
+        ok.messages.create(**big)
+    assert e.value.status_code == 413 and e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "request_too_large"
+    r = httpx.post(srv.base + "/v1/chat/completions", json=big, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
 
 
 @pytest.mark.parametrize("path,anthropic_shape", [("/v1/messages", True), ("/v1/chat/completions", False)])

@@ -6,7 +6,8 @@ the same tokens); the protocol (event order, ``sequence_number``, items, usage, 
 against the SDK's own types. Plus the store: ``previous_response_id`` chains on warm KV, GET / DELETE / 404,
 isolation by API key, the count / bytes / idle-time bounds (the store class directly, and over HTTP).
 
-One server for the module (two API keys, a store bounded to a few responses); every generation is short.
+The session's keyed server (tests/conftest.py ``keyed_server``: two API keys, a store bounded to a few responses),
+which test_messages_api's ``--api-key`` test also uses; every generation is short.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import jsonschema
 import openai
 import pytest
 
-from server_utils import MODEL, TOOL_SERVER_ARGS, Server, running_server
+from server_utils import KEYED_MAX_STORED, KEYED_SERVER_KEYS, MODEL, Server
 from tinyvllm.entrypoints.openai.responses_store import ResponseStore, owner_of
 
-KEY_A, KEY_B = "key-a", "key-b"
-MAX_STORED = 6
+KEY_A, KEY_B = KEYED_SERVER_KEYS
+MAX_STORED = KEYED_MAX_STORED
+
 BLOCK_SIZE = 16  # the engine's default --block-size
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
            "parameters": {"type": "object", "properties": {
@@ -38,19 +40,16 @@ T0 = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def store_path(tmp_path_factory):
-    return tmp_path_factory.mktemp("store") / "responses.sqlite"
+def store_path(server):
+    return server.store_path
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, store_path):
-    # --reasoning-parser qwen3: SmolLM2 never writes <think> by itself (no effect on the other tests); the reasoning
-    # test forces a thought with a regex
-    args = [*TOOL_SERVER_ARGS, "--api-key", KEY_A, KEY_B, "--responses-store-path", str(store_path),
-            "--responses-store-max-count", str(MAX_STORED), "--reasoning-parser", "qwen3"]
-    for srv in running_server(tmp_path_factory.mktemp("server") / "server.log", args):
-        srv.headers = {"Authorization": f"Bearer {KEY_A}"}
-        yield srv
+def server(keyed_server):
+    """The session's keyed server (tests/conftest.py): the shared server's flags, keys A and B, a store of at most
+    MAX_STORED responses, --reasoning-parser qwen3 (SmolLM2 never writes <think> by itself; the reasoning test
+    forces a thought with a regex)."""
+    return keyed_server
 
 
 @pytest.fixture(scope="module")
