@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-v2
 
-.PHONY: serve chat test test-slow install install-browser kernels clean
+.PHONY: serve chat test test-slow install install-browser kernels model clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,13 +43,18 @@ install-browser:
 kernels: $(STAMP)
 	-$(PY) -m tinyvllm.kernels.cpu
 
-# The default tier: within 5 minutes of tests on a quiet 2-core machine (the kernel build is set-up, before
-# pytest's clock); it ends with the 15 slowest tests (--durations=15, also in pyproject's addopts).
-# test-slow: the exhaustive sweeps and long runs.
-test: $(STAMP) install-browser kernels
+# Convert the embedded default model and prepare its bfloat16 and float32 weights now (~6 s the first time
+# in a checkout, then found in ~/.cache/tinyvllm), as the first engine start would. Not fatal either.
+model: $(STAMP)
+	-$(PY) -m tinyvllm.model
+
+# The default tier: within 5 minutes of tests on a quiet 2-core machine (the kernel build and the model's
+# conversion are set-up, before pytest's clock); it ends with the 15 slowest tests (--durations=15, also in
+# pyproject's addopts). test-slow: the exhaustive sweeps and long runs.
+test: $(STAMP) install-browser kernels model
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 
-test-slow: $(STAMP) kernels
+test-slow: $(STAMP) kernels model
 	$(PY) -m pytest -q -m slow --durations=15 $(ARGS)
 
 clean:

@@ -160,3 +160,18 @@ def test_sigterm_during_start_up_stops_both_processes(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_python_m_tinyvllm_model_prepares_the_weights_ahead(tmp_path, cache, capsys):
+    """``make test``'s set-up step (``python -m tinyvllm.model``) leaves the prepared weights the first engine
+    start would write; an unknown model is one line and exit code 1."""
+    from tinyvllm.model.__main__ import main
+
+    src = make_tiny_llama(tmp_path / "m")
+    assert main([str(src), "--dtype", "float32", "bfloat16"]) == 0
+    for dtype in (torch.float32, torch.bfloat16):
+        assert W.prepared_weights_path(src, dtype)[0].is_file()
+    capsys.readouterr()
+    assert main([str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"cannot prepare {str(tmp_path / 'missing')!r}: unknown model"), err
