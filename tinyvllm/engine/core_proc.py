@@ -136,8 +136,11 @@ def run_engine_core(config: EngineConfig, resolved: Any, input_addr: str, output
             shutil.rmtree(os.path.dirname(input_addr[len("ipc://"):]), ignore_errors=True)
         logger.info("engine core process exiting")
     # Everything this process owns is closed above: skip the interpreter's teardown (module and tensor
-    # finalizers, 0.3 s with torch loaded, measured), as multiprocessing's fork start method does.
+    # finalizers, 0.3 s with torch loaded, measured), as multiprocessing's fork start method does. What
+    # multiprocessing's own exit would still do here: flush the log handlers and the standard streams.
     logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
