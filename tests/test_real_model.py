@@ -18,19 +18,32 @@ def hf_reference(hf_smol_fp32):
     return hf_smol_fp32
 
 
-def _hf_greedy(model, prompt_ids: list[int], n: int, topk: int = 5):
-    """Greedy decode with HF's KV cache; returns (tokens, per-step top-k {id: logprob})."""
-    tokens, tops = [], []
+def _hf_greedy(model, prompts: list[list[int]], n: int, topk: int = 5):
+    """Greedy decode of every prompt at once with HF's KV cache (left-padded, with the attention mask and the
+    position ids HF's generate would pass); per prompt: (tokens, per-step top-k {id: logprob}).
+
+    One batch reads the float32 weights once per step instead of once per prompt (2.9 s instead of 11.7 s for
+    the 6 prompts, this Xeon). Against one prompt at a time, measured 2026-12-05: the same 6 x 32 tokens, and
+    top-5 logprobs within 3.4e-5 nats (the tests' tolerances are 0.25 and 0.5 nats)."""
+    width, batch = max(map(len, prompts)), len(prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    tokens, tops = [[] for _ in prompts], [[] for _ in prompts]
     with torch.no_grad():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         for _ in range(n):
-            lp = torch.log_softmax(out.logits[0, -1].float(), -1)
-            tok = int(lp.argmax())
+            lp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            tok = lp.argmax(-1)
             v, i = lp.topk(topk)
-            tokens.append(tok)
-            tops.append(dict(zip(i.tolist(), v.tolist())))
-            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens, tops
+            for b in range(batch):
+                tokens[b].append(int(tok[b]))
+                tops[b].append(dict(zip(i[b].tolist(), v[b].tolist())))
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype)], -1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                        past_key_values=out.past_key_values, use_cache=True)
+    return list(zip(tokens, tops))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +53,7 @@ def chat_ids(smol_llm):
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_reference, chat_ids):
-    return [_hf_greedy(hf_reference, ids, NUM_TOKENS) for ids in chat_ids]
+    return _hf_greedy(hf_reference, chat_ids, NUM_TOKENS)
 
 
 def test_fp32_greedy_equals_transformers(chat_ids, hf_outputs, smol_llm_fp32):
