@@ -130,18 +130,33 @@ CHAT_PROMPTS = [
 ]
 
 
+_BACKGROUND: list = []  # the processes started by pytest_collection_modifyitems, killed at the end if still running
+
+
 def pytest_collection_modifyitems(config, items):
     """Start the background work of the selected tests that have some (a module-level
-    ``_start_<test name>_in_background(tmp)`` function, e.g. test_triton_kernels' sm_90 compiles): subprocesses
-    at nice 19 that use the CPU the other tests leave idle (the suite keeps ~0.6 of 2 cores idle on average,
-    waiting on servers), collected by their test wherever the random order puts it."""
+    ``_start_<test name>_in_background(tmp)`` function returning the processes it started: test_triton_kernels'
+    sm_90 compiles, test_cli_commands' ``generate`` and ``chat``): subprocesses at nice 19 that use the CPU the
+    other tests leave idle (the suite keeps ~0.6 of 2 cores idle on average, waiting on servers), collected by
+    their test wherever the random order puts it."""
     import tempfile
 
+    if config.option.collectonly:
+        return
     for item in items:
         start = getattr(getattr(item, "module", None), f"_start_{getattr(item, 'originalname', '')}_in_background",
                         None)
         if start is not None:
-            start(Path(tempfile.mkdtemp(prefix="background-", dir=config._tmp_path_factory.getbasetemp())))
+            _BACKGROUND.extend(start(Path(tempfile.mkdtemp(prefix="background-",
+                                                           dir=config._tmp_path_factory.getbasetemp()))))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A background process whose test did not run (``-x``, an interrupt) is not left behind."""
+    for proc in _BACKGROUND:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -638,10 +638,11 @@ def start_sm90_compiles(tmp: Path, nice: int = 0) -> list[subprocess.Popen]:
     return procs
 
 
-def _start_test_kernels_compile_for_sm90_in_background(tmp: Path) -> None:
+def _start_test_kernels_compile_for_sm90_in_background(tmp: Path) -> list[subprocess.Popen]:
     """Called by conftest's ``pytest_collection_modifyitems`` when this test is selected: the compiles (~20 s of
     CPU) run at nice 19 beside the other tests, on the cycles those leave idle, and the test collects them."""
     _SM90_COMPILES[:] = start_sm90_compiles(tmp, nice=19)
+    return list(_SM90_COMPILES)
 
 
 def test_kernels_compile_for_sm90(tmp_path):
