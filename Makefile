@@ -43,8 +43,8 @@ install-browser:
 kernels: $(STAMP)
 	-$(PY) -m tinyvllm.kernels.cpu
 
-# Convert the embedded default model and prepare its bfloat16 and float32 weights now (~6 s the first time
-# in a checkout, then found in ~/.cache/tinyvllm), as the first engine start would. Not fatal either.
+# Convert the embedded default model and prepare its bfloat16 and float32 weights and its native GGUF repack now
+# (~7-9 s the first time in a checkout, then found in ~/.cache/tinyvllm), as the first engine starts would.
 model: $(STAMP)
 	-$(PY) -m tinyvllm.model
 
