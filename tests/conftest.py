@@ -136,9 +136,9 @@ _BACKGROUND: list = []  # the processes started by pytest_collection_modifyitems
 def pytest_collection_modifyitems(config, items):
     """Start the background work of the selected tests that have some (a module-level
     ``_start_<test name>_in_background(tmp)`` function returning the processes it started: test_triton_kernels'
-    sm_90 compiles, test_cli_commands' ``generate`` and ``chat``): subprocesses at nice 19 that use the CPU the
-    other tests leave idle (the suite keeps ~0.6 of 2 cores idle on average, waiting on servers), collected by
-    their test wherever the random order puts it."""
+    sm_90 compiles, test_cli_commands' ``generate`` and ``chat``), and lower them to nice 19 at once, so they use
+    the CPU the other tests leave idle (the suite keeps ~0.6 of 2 cores idle on average, waiting on servers);
+    each test collects its own wherever the random order puts it."""
     import tempfile
 
     if config.option.collectonly:
@@ -147,8 +147,9 @@ def pytest_collection_modifyitems(config, items):
         start = getattr(getattr(item, "module", None), f"_start_{getattr(item, 'originalname', '')}_in_background",
                         None)
         if start is not None:
-            _BACKGROUND.extend(start(Path(tempfile.mkdtemp(prefix="background-",
-                                                           dir=config._tmp_path_factory.getbasetemp()))))
+            for proc in start(Path(tempfile.mkdtemp(prefix="background-", dir=config._tmp_path_factory.getbasetemp()))):
+                os.setpriority(os.PRIO_PROCESS, proc.pid, 19)  # before it starts threads or children: they inherit it
+                _BACKGROUND.append(proc)
 
 
 def pytest_sessionfinish(session, exitstatus):

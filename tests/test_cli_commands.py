@@ -22,30 +22,28 @@ ENV = dict(os.environ, TOKENIZERS_PARALLELISM="false")
 GENERATE_PROMPT = "The three primary colors are"
 GENERATE = [*CLI, "generate", GENERATE_PROMPT, "--model", MODEL, "--dtype", "bfloat16", "--max-tokens", str(MAX_TOKENS)]
 CHAT = [*CLI, "chat", "--model", MODEL, "--dtype", "bfloat16", "--max-tokens", str(MAX_TOKENS)]
-# Started at collection when their test is selected (tests/conftest.py): the commands load the model (~3 s each)
-# at nice 19 while other tests run, and their tests read them from where they are.
+# Started at collection when their test is selected (tests/conftest.py, which lowers them to nice 19): the
+# commands load the model (~3 s each) while other tests run, and their tests read them from where they are.
 _STARTED: dict[str, object] = {}
 
 
-def _nice19() -> None:
-    os.nice(19)
+def _generate() -> subprocess.Popen:
+    return subprocess.Popen(GENERATE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def _start_test_generate_prints_the_llm_greedy_text_in_background(tmp) -> list[subprocess.Popen]:  # noqa: ARG001
-    _STARTED["generate"] = subprocess.Popen(GENERATE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            env=ENV, preexec_fn=_nice19)
+    _STARTED["generate"] = _generate()
     return [_STARTED["generate"]]
 
 
 def _start_test_chat_in_a_terminal_in_background(tmp) -> list[subprocess.Popen]:  # noqa: ARG001
-    _STARTED["chat"] = _Pty(CHAT, preexec_fn=_nice19)
+    _STARTED["chat"] = _Pty(CHAT)
     return [_STARTED["chat"].proc]
 
 
 def test_generate_prints_the_llm_greedy_text(smol_llm):
     want = smol_llm.generate(GENERATE_PROMPT, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].outputs[0].text
-    proc = _STARTED.pop("generate", None) or subprocess.Popen(GENERATE, stdout=subprocess.PIPE,
-                                                              stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = _STARTED.pop("generate", None) or _generate()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-4000:]
     assert out == want + "\n"
@@ -55,10 +53,9 @@ class _Pty:
     """A child process whose stdin, stdout and stderr are a pseudo-terminal, as in a terminal window (Python's
     ``input()`` writes its prompt to stderr when no ``readline`` is loaded)."""
 
-    def __init__(self, cmd: list[str], preexec_fn=None) -> None:  # noqa: ANN001
+    def __init__(self, cmd: list[str]) -> None:
         self.master, slave = pty.openpty()
-        self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=ENV, close_fds=True,
-                                     preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=ENV, close_fds=True)
         os.close(slave)
         self.seen = b""
 

@@ -615,16 +615,22 @@ print("COMPILED", " ".join(done))
 _SM90_COMPILES: list[subprocess.Popen] = []  # started at collection (conftest), or by the test itself
 
 
-def start_sm90_compiles(tmp: Path, nice: int = 0) -> list[subprocess.Popen]:
-    """Start the compile processes (two, each compiling every other launch: a compile is single-threaded) at
-    ``nice``, with their Triton caches under ``tmp``; ``[]`` where this triton cannot compile for sm_90 here."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+def _sm90_skip_reason() -> str | None:
+    """Why this triton cannot compile for sm_90 here, or None."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError:
-        return []
-    if not ptxas.exists():
+        return "triton compiler internals moved"
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        return "this triton build has no bundled ptxas"
+    return None
+
+
+def start_sm90_compiles(tmp: Path) -> list[subprocess.Popen]:
+    """Start the compile processes (two, each compiling every other launch: a compile is single-threaded), with
+    their Triton caches under ``tmp``; ``[]`` where this triton cannot compile for sm_90 here."""
+    if _sm90_skip_reason() is not None:
         return []
     root = Path(__file__).resolve().parents[1]
     parts, procs = 2, []
@@ -633,25 +639,22 @@ def start_sm90_compiles(tmp: Path, nice: int = 0) -> list[subprocess.Popen]:
                    TRITON_DEFAULT_FP_FUSION="1")
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
         procs.append(subprocess.Popen([sys.executable, "-c", _COMPILE_SCRIPT, str(part), str(parts)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      preexec_fn=(lambda: os.nice(nice)) if nice else None))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
 def _start_test_kernels_compile_for_sm90_in_background(tmp: Path) -> list[subprocess.Popen]:
     """Called by conftest's ``pytest_collection_modifyitems`` when this test is selected: the compiles (~20 s of
     CPU) run at nice 19 beside the other tests, on the cycles those leave idle, and the test collects them."""
-    _SM90_COMPILES[:] = start_sm90_compiles(tmp, nice=19)
+    _SM90_COMPILES[:] = start_sm90_compiles(tmp)
     return list(_SM90_COMPILES)
 
 
 def test_kernels_compile_for_sm90(tmp_path):
+    if (why := _sm90_skip_reason()) is not None:
+        pytest.skip(why)
     procs = list(_SM90_COMPILES) or start_sm90_compiles(tmp_path)
     _SM90_COMPILES.clear()
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not procs:
-        pytest.skip("this triton build has no bundled ptxas" if not ptxas.exists()
-                    else "triton compiler internals moved")
     names = []
     for p in procs:
         out, err = p.communicate(timeout=300)

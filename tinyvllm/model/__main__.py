@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+from tinyvllm.config import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
