@@ -2,12 +2,14 @@
 
 Arms, interleaved round by round (the machine is shared: medians per arm, with the load average):
 ``bf16`` (the bf16 cache), ``int8/bf16qk`` (int8 cache on bf16 tiles: the kernel before the int8
-Q K^T), ``int8`` (the int8 Q K^T kernel, attention_int8.h), optionally ``int8/exp4`` (int8 Q K^T
-with the bf16 kernel's degree-4 exp2). Each arm is ``tinyvllm.benchmarks.prefill.run_prefill``, the
+Q K^T), ``int8`` (the int8 Q K^T kernel, attention_int8.h: P V in int8 on the vector path, bf16 on
+AMX), optionally ``int8/exp4`` (int8 Q K^T with the bf16 kernel's degree-4 exp2) and ``int8/pv16``
+(P V in bf16 on the vector path too). Each arm is ``tinyvllm.benchmarks.prefill.run_prefill``, the
 function behind ``tinyvllm bench prefill``, with the same arguments.
 
     PYTHONPATH=. python benchmarks/kv_int8_ab.py --context 5000 --chunk 512 --rounds 3
     PYTHONPATH=. python benchmarks/kv_int8_ab.py --context 4096 --chunk 1 --batch 16 --rounds 3
+    PYTHONPATH=. python benchmarks/kv_int8_ab.py --no-amx --arms bf16 int8/pv16 int8   # the vector path
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 
 import torch
 
+from kv_quality import set_int8_variant
 from tinyvllm.attention.selector import get_attn_backend
 from tinyvllm.benchmarks.prefill import run_prefill
 from tinyvllm.kernels.cpu import cpu_kernels
@@ -49,8 +52,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for arm in args.arms:
-                kv, _, variant = arm.partition("/")
-                K.set_int8_attention(variant != "bf16qk", 0, variant != "exp4")
+                kv = set_int8_variant(arm)
                 r = run_prefill(model, backend, K, args.context, args.chunk, args.batch,
                                 num_iters=args.num_iters, kv_cache_dtype="bfloat16" if kv == "bf16" else kv)
                 res[arm]["step_ms"].append(r["step_s"] * 1e3)
@@ -59,7 +61,7 @@ def main() -> None:
                                           "vnni_ceiling_gflops", "amx_int8_ceiling_gflops", "kernel")}
                 loads.append(os.getloadavg()[0])
     finally:
-        K.set_int8_attention(True, 0, True)
+        K.set_int8_attention(True)
         K.set_amx_attention(True)
     base = statistics.median(res[args.arms[0]]["attn_ms"])
     print(f"context {args.context} chunk {args.chunk} batch {args.batch}, {torch.get_num_threads()} threads, "

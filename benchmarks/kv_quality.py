@@ -13,6 +13,7 @@ then a question about the fact).
     .venv/bin/python benchmarks/kv_quality.py --set chat --kv int8 fp8
     .venv/bin/python benchmarks/kv_quality.py --set long --kv int8 fp8 --tokens 8
     .venv/bin/python benchmarks/kv_quality.py --set chat --kv int8 int8/bf16qk int8/exp4   # int8 kernels
+    .venv/bin/python benchmarks/kv_quality.py --set chat --no-amx --kv int8 int8/pv16   # int8 vs bf16 P V
 """
 
 from __future__ import annotations
@@ -70,16 +71,27 @@ def capture_logits(llm):
     return rows
 
 
-def run(kv: str, prompts: list[list[int]], refs: list[list[int]] | None, tokens: int, threads: int):
-    """``kv``: a ``--kv-cache-dtype``, or ``int8/bf16qk`` (the int8 cache on the bf16 tiles, the kernel
-    before the int8 Q K^T) or ``int8/exp4`` (the int8 Q K^T with the bf16 kernel's degree-4 exp2)."""
-    from tinyvllm import LLM, SamplingParams
+def set_int8_variant(arm: str) -> str:
+    """Select the int8 attention kernel an arm names in this process's C++ kernels, and return the arm's
+    ``--kv-cache-dtype``. ``int8``: the default (int8 Q K^T; P V in int8 on the AVX-512 vector path, bf16
+    on AMX); ``int8/pv16``: P V in bf16 on the vector path too (the kernel before the int8 P V);
+    ``int8/exp4``: the degree-4 exp2 (bf16 P V); ``int8/bf16qk``: the int8 cache on bf16 tiles."""
     from tinyvllm.kernels.cpu import cpu_kernels
 
-    kv, _, variant = kv.partition("/")
+    kv, _, variant = arm.partition("/")
     kernels = cpu_kernels()
     if kernels is not None and hasattr(kernels, "set_int8_attention"):
-        kernels.set_int8_attention(variant != "bf16qk", 0, variant != "exp4")
+        kernels.set_int8_attention(variant != "bf16qk", 0, variant != "exp4", variant != "pv16")
+    return kv
+
+
+def run(kv: str, prompts: list[list[int]], refs: list[list[int]] | None, tokens: int, threads: int):
+    """``kv``: a ``--kv-cache-dtype``, or ``int8/bf16qk`` (the int8 cache on the bf16 tiles, the kernel
+    before the int8 Q K^T), ``int8/exp4`` (the int8 Q K^T with the bf16 kernel's degree-4 exp2) or
+    ``int8/pv16`` (the int8 Q K^T with P V in bf16 on the vector path; the default's P V is int8 there)."""
+    from tinyvllm import LLM, SamplingParams
+
+    kv = set_int8_variant(kv)
     llm = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=512,
               kv_cache_memory="2GiB")
     if threads:
@@ -103,8 +115,14 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["int8", "fp8"])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-amx", action="store_true", help="attention on the AVX-512 vector path, not AMX tiles "
+                    "(every arm, the bf16 reference included; the int8 P V exists only there)")
     args = ap.parse_args()
     from tinyvllm import LLM
+    from tinyvllm.kernels.cpu import cpu_kernels
+
+    if args.no_amx:
+        cpu_kernels().set_amx_attention(False)
 
     if args.set == "chat":
         probe = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_memory="64MiB")

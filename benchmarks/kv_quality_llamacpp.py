@@ -19,6 +19,7 @@ from the base file's log-probs (two engines' arithmetic and weights path, not a 
     llama-perplexity -m $G -f /tmp/kvq.txt -c 2048 --chunks 8 -t 2 --kl-divergence-base b2048.dat \
         --kl-divergence -ctk q8_0 -ctv q8_0
     python benchmarks/kv_quality_llamacpp.py --base b2048.dat --kv int8 fp8 --text /tmp/kvq.txt
+    python benchmarks/kv_quality_llamacpp.py --base b2048.dat --no-amx --kv int8 int8/pv16   # int8 vs bf16 P V
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from kv_quality import set_int8_variant  # benchmarks/ is on sys.path when this script runs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -98,7 +100,8 @@ class Engine:
     def __init__(self, kv: str, max_len: int):
         from tinyvllm import LLM
 
-        self.llm = LLM(MODEL, dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=512,
+        self.arm = kv  # a kv dtype, or an int8 kernel variant (kv_quality.set_int8_variant), set per call
+        self.llm = LLM(MODEL, dtype="bfloat16", kv_cache_dtype=set_int8_variant(kv), max_num_batched_tokens=512,
                        kv_cache_memory="256MiB", enable_prefix_caching=False, max_model_len=max_len + 1)
         model = self.llm.llm_engine.core.runner.model
         orig, self.keep, self.seen, self.rows = model.compute_logits, (0, 0), 0, []
@@ -117,6 +120,7 @@ class Engine:
         from tinyvllm import SamplingParams
 
         self.keep, self.seen, self.rows = (lo, hi), 0, []
+        set_int8_variant(self.arm)
         self.llm.generate([{"prompt_token_ids": tokens}],
                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         assert self.seen == len(tokens), (self.seen, len(tokens))  # every prompt position had its logits
@@ -130,7 +134,12 @@ def main() -> None:
     ap.add_argument("--kv", nargs="+", default=["int8", "fp8"])
     ap.add_argument("--text", help="the text the base files were made from: compare tinyvllm's tokens to them")
     ap.add_argument("--chunks", type=int, default=0, help="score only the first N chunks of each base file")
+    ap.add_argument("--no-amx", action="store_true", help="attention on the AVX-512 vector path (every engine)")
     args = ap.parse_args()
+    if args.no_amx:
+        from tinyvllm.kernels.cpu import cpu_kernels
+
+        cpu_kernels().set_amx_attention(False)
 
     if args.write_text:
         docs = sorted(f for f in glob.glob(str(ROOT / "docs" / "*.md")) if not f.endswith("benchmarks.md"))

@@ -194,7 +194,8 @@ def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d
     the error is the bf16 P / V tiles' (a few 1e-3), several times below the error against the float
     query (so the reference sees the kernel's Q quantization, not only P / V rounding). Rows are
     bit for bit the same whether computed together, split into two chunks, or batched with another
-    sequence (chunk / batch invariance). The int8 Q K^T is not the bf16-tile kernel (outputs differ)."""
+    sequence (chunk / batch invariance). The int8 Q K^T is not the bf16-tile kernel (outputs differ).
+    P V in bf16 here on both paths (the vector path's default int8 P V has its own tests below)."""
     hq, hk, bs = 6, 2, 16
     ctx, T = 300, 40
     g = torch.Generator().manual_seed(5)
@@ -214,7 +215,7 @@ def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d
 
     try:
         _set_path(True, path == "amx")
-        K.set_int8_attention(True)
+        K.set_int8_attention(True, pv8=False)  # bf16 P V (AMX's; the vector path's int8 P V: tests below)
         out = attn(q, seq, pos)
         chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
         # batched with a second sequence (block table row 1) of other rows: seq 1's rows first
@@ -239,6 +240,117 @@ def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d
     # the other sequence's rows against their own reference
     ref1 = _int8_ref(q[5:30], cache, bt[1:], bs, torch.arange(100, 125), d, True)
     assert float((both[:25].double() - ref1).norm() / ref1.norm()) < 4e-3
+
+
+def _pv8_ref(q, cache, bt, bs, pos, d, tile=64):
+    """(int8 P V emulated, exact) float64 attention over the int8 rows, the query quantized as the kernel
+    does. The emulation quantizes P'_j = P_j * s_v(j) per (row, head, 64-position tile of the logical
+    positions) to round_half_even(255 * P' / max_tile P') and multiplies those bytes by V's int8 values,
+    as attention_int8.h's tile_pv8 documents; ``exact`` is plain softmax(S) V over the dequantized V."""
+    hq, hk = q.shape[1], cache.shape[-2]
+    rows = cache.view(2, -1, hk, d + 2)[:, (bt[0][:, None] * bs + torch.arange(bs)).reshape(-1)]
+    kd = kv_quant.dequantize(rows[0]).double().repeat_interleave(hq // hk, 1)
+    v8 = rows[1][..., :d].double().repeat_interleave(hq // hk, 1)  # [L, hq, d]
+    sv = rows[1][..., d:].contiguous().view(torch.bfloat16)[..., 0].double().repeat_interleave(hq // hk, 1)
+    q8, qs = kv_quant.quantize_query(q)
+    s = torch.einsum("thd,lhd->thl", q8.double() * qs.double(), kd) * d ** -0.5
+    s = s.masked_fill(torch.arange(kd.shape[0])[None, None] > pos[:, None, None], float("-inf"))
+    w = torch.exp(s - s.amax(-1, keepdim=True))  # [T, hq, L]
+    pp = w * sv.T[None]
+    emu = torch.zeros(q.shape[0], hq, d, dtype=torch.float64)
+    for t0 in range(0, kd.shape[0], tile):
+        blk = pp[..., t0:t0 + tile]
+        m = blk.amax(-1, keepdim=True)
+        p8 = torch.round(blk * 255 / m.clamp_min(1e-300))
+        emu += (m / 255) * torch.einsum("thl,lhd->thd", p8, v8[t0:t0 + tile])
+    exact = torch.einsum("thl,lhd->thd", pp, v8)
+    return emu / w.sum(-1, keepdim=True), exact / w.sum(-1, keepdim=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [64, 128])
+def test_int8_pv_kernel_is_the_documented_rounding_of_p(d):
+    """The int8 P V (the vector path's default; set_int8_attention(pv8=...)): with every score equal (q = 0) and
+    V scales that are powers of two with 1 in each 64-position tile, the rounded bytes p8 are known
+    exactly (255 * 2^-k, never a tie), so the kernel must equal the float64 emulation of its rounding
+    to float32 accuracy. That pins the packing of V (4 positions per word, the dims back in order), the
+    folded V scales, the tile grid and the causal mask of the last tile; the emulation itself differs
+    from exact attention by the rounding of P (the check can see a kernel that skipped it)."""
+    hq, hk, bs = 6, 2, 16
+    ctx, T = 300, 40
+    g = torch.Generator().manual_seed(8)
+    nb = (ctx + T) // bs + 4
+    n = nb * bs
+    cache = torch.randint(-127, 128, (2, n, hk, d + 2), generator=g, dtype=torch.int8)
+    exps = torch.tensor([0, 2, 3, 4, 5, 6, 7, 9, 11])[torch.randint(0, 9, (n, hk), generator=g)]
+    bt = torch.randperm(nb, generator=g)[None].long()
+    logical = (bt[0][:, None] * bs + torch.arange(bs)).reshape(-1)  # cache slot of each position
+    exps[logical[::64]] = 0  # scale 1 at each tile's first position
+    cache[0, :, :, d:] = torch.tensor([0.01]).bfloat16().view(torch.int8)  # K scales: finite (q = 0 anyway)
+    cache[1, :, :, d:] = (2.0 ** -exps.float()).bfloat16()[..., None].view(torch.int8)  # the scale's 2 bytes
+    cache = cache.view(2, nb, bs, hk, d + 2)
+    seq = torch.zeros(T, dtype=torch.int64)
+    pos = torch.arange(ctx, ctx + T)
+    q = torch.zeros(T, hq, d)
+    try:
+        _set_path(True, False)
+        K.set_int8_attention(True, pv8=True)
+        out = K.paged_attention(q, cache[0], cache[1], bt, seq, pos, d ** -0.5).double()
+    finally:
+        K.set_int8_attention(True)
+        _set_path(True, True)
+    emu, exact = _pv8_ref(q, cache, bt, bs, pos, d)
+    rel_emu = float((out - emu).norm() / emu.norm())
+    rel_exact = float((emu - exact).norm() / exact.norm())
+    print(d, rel_emu, rel_exact)
+    assert rel_emu < 1e-5 and rel_exact > 1e-3, (rel_emu, rel_exact)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])
+def test_int8_pv_kernel_matches_its_emulation_and_is_invariant(d):
+    """The int8 P V on realistic scores: the kernel is near the float64 emulation of its rounding (the
+    remaining gap: float32 arithmetic flipping near-ties of P's rounding), its error against exact
+    attention is the emulation's (P's 8-bit rounding, a few 1e-3), and rows are bit for bit the same
+    computed together, in two chunks, batched with another sequence, or alone (decode)."""
+    hq, hk, bs = 6, 2, 16
+    ctx, T = 300, 40
+    g = torch.Generator().manual_seed(6)
+    nb = 2 * ((ctx + T) // bs + 2)
+    kv = torch.randn(2, nb * bs, hk, d, generator=g)
+    kv[1] *= torch.rand(nb * bs, hk, 1, generator=g) * 3  # V scales that vary along the reduction
+    cache = kv_quant.quantize(kv, "int8", torch.bfloat16).view(2, nb, bs, hk, d + 2)
+    q = torch.randn(T, hq, d, generator=g) * 2
+    bt = torch.randperm(nb, generator=g).view(2, -1).long()
+    seq = torch.zeros(T, dtype=torch.int64)
+    pos = torch.arange(ctx, ctx + T)
+
+    def attn(qq, ss, pp):
+        return K.paged_attention(qq, cache[0], cache[1], bt, ss, pp, d ** -0.5)
+
+    try:
+        _set_path(True, False)
+        K.set_int8_attention(True, pv8=True)
+        out = attn(q, seq, pos)
+        chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
+        both = attn(torch.cat([q[5:30], q]), torch.cat([torch.ones(25, dtype=torch.int64), seq]),
+                    torch.cat([torch.arange(100, 125), pos]))
+        decode = torch.stack([attn(q[i:i + 1], seq[:1], pos[i:i + 1])[0] for i in (0, 17, T - 1)])
+        K.set_int8_attention(True, pv8=False)
+        bf16_pv = attn(q, seq, pos)
+    finally:
+        K.set_int8_attention(True)
+        _set_path(True, True)
+    assert torch.equal(chunks, out)
+    assert torch.equal(both[25:], out)
+    assert torch.equal(decode, out[[0, 17, T - 1]])
+    assert not torch.equal(bf16_pv, out)
+    emu, exact = _pv8_ref(q, cache, bt[:1], bs, pos, d)
+    rel_emu = float((out.double() - emu).norm() / emu.norm())
+    rel_exact = float((out.double() - exact).norm() / exact.norm())
+    rel_emu_exact = float((emu - exact).norm() / exact.norm())
+    print(d, rel_emu, rel_exact, rel_emu_exact)
+    assert rel_emu < 0.3 * rel_emu_exact and rel_exact < 1.3 * rel_emu_exact < 1e-2, (rel_emu, rel_exact, rel_emu_exact)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -273,9 +385,23 @@ def _invariance(make_smol_llm, kind):
         assert_no_kv_leak(llm)
 
 
+def _int8_engine_paths():
+    """The AVX-512 vector path (the int8 P V) in the default tier; AMX, where present, in the slow one
+    (its kernel's rows are checked for chunk / batch invariance by the kernel test above)."""
+    if K is not None and K.has_amx_attention():
+        return ["vector", pytest.param("amx", marks=pytest.mark.slow)]
+    return ["vector"]
+
+
 @needs_kernels
-def test_int8_greedy_outputs_invariant_to_batch_chunking_prefix_cache_and_preemption(make_smol_llm):
-    _invariance(make_smol_llm, "int8")
+@pytest.mark.parametrize("path", _int8_engine_paths())
+def test_int8_greedy_outputs_invariant_to_batch_chunking_prefix_cache_and_preemption(make_smol_llm, path):
+    """The engines run in this process, so the kernel path chosen here is theirs."""
+    try:
+        _set_path(True, path == "amx")
+        _invariance(make_smol_llm, "int8")
+    finally:
+        _set_path(True, True)
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ Each is read when asked for (``envs.TINYVLLM_CACHE``), not at import, so a test'
 | ``TINYVLLM_KERNEL_ISA`` | ``native`` | which instruction set the C++ CPU kernels are compiled for: ``native`` (``-march=native``: AVX-512 / AMX where the CPU has them) or ``avx2`` (``-march=haswell``: AVX2 + FMA + F16C, no AVX-512, built as a separately named extension) to run the AVX2 paths on an AVX-512 machine (tests, ``scripts/kernel_bits.py``) |
 
 Read by the C++ kernels themselves (not through this module): ``TINYVLLM_AMX_GEMM`` (``0`` starts
-``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs), and
+``gemm_bf16`` on its ``vdpbf16ps`` path instead of AMX tiles; for A/B runs), ``TINYVLLM_AMX_ATTENTION``
+(``0`` starts the tiled attention on its AVX-512 vector path instead of AMX tiles: with
+``TINYVLLM_AMX_GEMM=0``, a server runs as on a CPU without AMX, for A/B runs), and
 ``TINYVLLM_CPU_POOL`` once more (``1`` turns the pool on when the kernels load; ``auto`` is applied
 per step by the model runner).
 

@@ -20,7 +20,8 @@
 //    else AVX512-VNNI VPDPBUSD, which multiplies UNSIGNED by signed bytes: the query goes in as
 //    q8 + 128 (in [1, 255]) and the packed tile carries 128 * sum_d k8_d per position, subtracted
 //    from the int32 sum (sum (q8 + 128) k8 - 128 sum k8 = sum q8 k8, exactly).
-//  * P V stays bf16 (V dequantized while packing, as in attention_tiled's int8 path).
+//  * P V: on the vector path in int8 too (tile_pv8: u8 P x s8 V on VPDPBUSD, V's scales folded into P);
+//    on AMX in bf16 (V dequantized while packing, as in attention_tiled's int8 path).
 // Each pair's arithmetic depends only on its own query, its context's rows and the fixed tile grid:
 // batch-, chunk- and prefix-cache-invariant like attention_tiled.
 #pragma once
@@ -30,6 +31,7 @@
 
 bool g_int8_qk = true;   // int8 cache: the int8 Q K^T kernel below (off: attention_tiled<int8>, for A/B)
 bool g_int8_exp3 = true;  // the int8 kernel's softmax: exp2_deg3_16 (off: exp2_fast16, attention_tiled's)
+bool g_int8_pv = true;   // the int8 kernel's P V on the vector path: u8 P x s8 V on VPDPBUSD (off: bf16, vdpbf16ps)
 int g_int8_profile = 0;  // measurement only (benchmarks/attention_int8_profile.py): bits skip stages, garbage out
 
 enum Int8ProfileSkip : int { kSkipQk = 1, kSkipSoftmax = 2, kSkipPv = 4, kSkipPack = 8 };
@@ -56,9 +58,33 @@ struct PackedTileI8 {
   alignas(64) uint32_t v[kKvTile / 2][ND * 16];  // PackedTile's bf16 pairs of positions (2i, 2i+1)
   alignas(64) float ks[kKvTile];                 // K scale per position
   alignas(64) int32_t ksum128[kKvTile];          // 128 * sum_d k8 per position (VPDPBUSD's offset)
+  // The int8 P V's V (pv8): vq[i][d] = the int8 values of positions 4i..4i+3 at dim d (VPDPBUSD's b
+  // operand, 4 positions per 32-bit word), unscaled, and each position's V scale.
+  alignas(64) uint32_t vq[kKvTile / 4][ND * 16];
+  alignas(64) float vs[kKvTile];
+
+  // vq for the 4 positions of quad i: byte interleaves within 128-bit lanes, then a 4 x 4 transpose of
+  // the lanes back into dim order (no arithmetic: the cache's bytes as they are).
+  void pack_v_quad(const uint8_t* const* vr, int i) {
+    for (int db = 0; db < D; db += 64) {
+      const __m512i r0 = _mm512_loadu_si512(vr[4 * i] + db), r1 = _mm512_loadu_si512(vr[4 * i + 1] + db);
+      const __m512i r2 = _mm512_loadu_si512(vr[4 * i + 2] + db), r3 = _mm512_loadu_si512(vr[4 * i + 3] + db);
+      const __m512i a01l = _mm512_unpacklo_epi8(r0, r1), a01h = _mm512_unpackhi_epi8(r0, r1);
+      const __m512i a23l = _mm512_unpacklo_epi8(r2, r3), a23h = _mm512_unpackhi_epi8(r2, r3);
+      // w_k, 128-bit lane L: the words of dims 16L + 4k .. 16L + 4k + 3
+      const __m512i w0 = _mm512_unpacklo_epi16(a01l, a23l), w1 = _mm512_unpackhi_epi16(a01l, a23l);
+      const __m512i w2 = _mm512_unpacklo_epi16(a01h, a23h), w3 = _mm512_unpackhi_epi16(a01h, a23h);
+      const __m512i t0 = _mm512_shuffle_i32x4(w0, w1, 0x44), t1 = _mm512_shuffle_i32x4(w0, w1, 0xEE);
+      const __m512i t2 = _mm512_shuffle_i32x4(w2, w3, 0x44), t3 = _mm512_shuffle_i32x4(w2, w3, 0xEE);
+      _mm512_store_si512(&vq[i][db], _mm512_shuffle_i32x4(t0, t2, 0x88));        // dims db + 0..15
+      _mm512_store_si512(&vq[i][db + 16], _mm512_shuffle_i32x4(t0, t2, 0xDD));   // db + 16..31
+      _mm512_store_si512(&vq[i][db + 32], _mm512_shuffle_i32x4(t1, t3, 0x88));   // db + 32..47
+      _mm512_store_si512(&vq[i][db + 48], _mm512_shuffle_i32x4(t1, t3, 0xDD));   // db + 48..63
+    }
+  }
 
   void pack(const uint8_t* const* kr, const uint8_t* const* vr, const uint8_t* const* nk,
-            const uint8_t* const* nv, bool vnni) {
+            const uint8_t* const* nv, bool vnni, bool pv8) {
     constexpr int kRowBytes = D + 2;
     for (int jb = 0; jb < kKvTile; jb += 16) {
       if (nk != nullptr) {
@@ -80,6 +106,11 @@ struct PackedTileI8 {
         for (int i = 0; i < DQ; ++i) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_load_si512(&k[i][jb]));
         _mm512_store_si512(&ksum128[jb], _mm512_slli_epi32(sum, 7));
       }
+    }
+    if (pv8) {
+      for (int i = 0; i < kKvTile / 4; ++i) pack_v_quad(vr, i);
+      for (int j = 0; j < kKvTile; ++j) vs[j] = row_scale(vr[j], D);
+      return;
     }
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -122,8 +153,76 @@ inline void quantize_query(const float* qrow, PairI8<ND>& p) {
   }
 }
 
-// One tile for N pairs on AVX512-VNNI (S) and AVX512-BF16 (P V): tile_pairs with int8 S.
+// Softmax and P V in int8 of one tile for N pairs, from their scores s (the int8 P V, pv8).
+// O = sum_j P_j V_j with V_j = s_v(j) v8_j: V's scale varies along the reduction, so it is folded into
+// the probabilities, P'_j = P_j s_v(j), which are quantized per (pair, tile) to unsigned bytes,
+// p8_j = round_half_even(P'_j * 255 / max_j P'_j) (masked and past-the-context positions: 0), and
+// O += (max_j P'_j / 255) * float(sum_j p8_j v8_j), the int32 sum exact (at most 64 * 255 * 127) on
+// VPDPBUSD (u8 x s8, 4 positions per instruction: half the instructions of vdpbf16ps's 2). The
+// normaliser l adds the float32 probabilities. The rounding of P' is at most half a step of the tile's
+// largest P' (bf16 P: 2^-9 relative); SageAttention (Zhang et al., ICLR 2025) keeps P V in 16 bits
+// for that reason, so it was measured before it became the vector path's default (docs/kv-cache-dtype.md:
+// next-token KL against the bf16 cache equal to the bf16 P V's within 0.0003 nats on three prompt sets).
+// The scale and the rounding depend only on the pair's own row and the tile: invariance holds.
 template <int ND, int N, bool kExp3>
+inline void tile_pv8(const PackedTileI8<ND>& t, PairI8<ND>* ps, const __m512 (*s)[kKvTile / 16], int32_t j0,
+                     __m512 vscale) {
+  constexpr int NC = kKvTile / 16;
+  alignas(64) uint8_t p8[N][kKvTile];
+  float psc[N];
+  __m512 alpha[N];
+  bool changed[N];
+  for (int n = 0; n < N; ++n) {
+    if (g_int8_profile & kSkipSoftmax) {
+      for (int c = 0; c < NC; ++c) _mm_store_si128(reinterpret_cast<__m128i*>(&p8[n][c * 16]), _mm512_cvtepi32_epi8(_mm512_castps_si512(s[n][c])));
+      changed[n] = false, psc[n] = 1.0f;
+      continue;
+    }
+    __m512 p[NC];
+    PairState<ND>& st = ps[n].st;
+    changed[n] = tile_probs<ND, kExp3 ? exp2_deg3_16 : exp2_fast16>(st, s[n], j0, _mm512_mul_ps(vscale, _mm512_set1_ps(ps[n].qs)), p, alpha[n]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3]));
+    _mm512_store_ps(st.l, _mm512_fmadd_ps(_mm512_load_ps(st.l), alpha[n], sum));
+    __m512 mx = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) {
+      p[c] = _mm512_mul_ps(p[c], _mm512_load_ps(&t.vs[c * 16]));
+      mx = _mm512_max_ps(mx, p[c]);
+    }
+    const float m = _mm512_reduce_max_ps(mx);
+    psc[n] = m / 255.0f;
+    const __m512 inv = _mm512_set1_ps(m > 0.0f ? 255.0f / m : 0.0f);
+    for (int c = 0; c < NC; ++c)
+      _mm_store_si128(reinterpret_cast<__m128i*>(&p8[n][c * 16]),
+                      _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(p[c], inv))));
+  }
+  if (g_int8_profile & kSkipPv) return;
+  __m512i acc[N][ND];
+  for (int n = 0; n < N; ++n)
+    for (int v = 0; v < ND; ++v) acc[n][v] = _mm512_setzero_si512();
+  for (int i = 0; i < kKvTile / 4; ++i) {
+    __m512i vv[ND];
+    for (int v = 0; v < ND; ++v) vv[v] = _mm512_load_si512(&t.vq[i][v * 16]);
+    for (int n = 0; n < N; ++n) {
+      int32_t w;
+      std::memcpy(&w, &p8[n][4 * i], 4);
+      const __m512i pp = _mm512_set1_epi32(w);
+      for (int v = 0; v < ND; ++v) acc[n][v] = _mm512_dpbusd_epi32(acc[n][v], pp, vv[v]);
+    }
+  }
+  for (int n = 0; n < N; ++n) {
+    const __m512 sc = _mm512_set1_ps(psc[n]);
+    for (int v = 0; v < ND; ++v) {
+      float* o = ps[n].st.o + v * 16;
+      __m512 x = _mm512_load_ps(o);
+      if (changed[n]) x = _mm512_mul_ps(x, alpha[n]);
+      _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[n][v]), sc, x));
+    }
+  }
+}
+
+// One tile for N pairs on AVX512-VNNI (S) and AVX512-BF16 (P V): tile_pairs with int8 S.
+// kPv8: P V in int8 instead (tile_pv8 above).
+template <int ND, int N, bool kExp3, bool kPv8>
 inline void tile_pairs_i8(const PackedTileI8<ND>& t, PairI8<ND>* ps, int32_t j0, __m512 vscale) {
   constexpr int DQ = ND * 4, NC = kKvTile / 16;
   __m512 s[N][NC];
@@ -149,6 +248,10 @@ inline void tile_pairs_i8(const PackedTileI8<ND>& t, PairI8<ND>* ps, int32_t j0,
   } else {
     for (int n = 0; n < N; ++n)
       for (int c = 0; c < NC; ++c) s[n][c] = _mm512_load_ps(&t.ks[c * 16]);
+  }
+  if constexpr (kPv8) {
+    tile_pv8<ND, N, kExp3>(t, ps, s, j0, vscale);
+    return;
   }
   alignas(64) uint32_t pb[N][kKvTile / 2];
   __m512 alpha[N];
@@ -180,12 +283,12 @@ inline void tile_pairs_i8(const PackedTileI8<ND>& t, PairI8<ND>* ps, int32_t j0,
     for (int v = 0; v < ND; ++v) _mm512_store_ps(ps[n].st.o + v * 16, acc[n][v]);
 }
 
-template <int ND, int N, bool kExp3>
+template <int ND, int N, bool kExp3, bool kPv8>
 inline void tile_group_i8(const PackedTileI8<ND>& t, PairI8<ND>* ps, int n, int32_t j0, __m512 vscale) {
   if constexpr (N > 1) {
-    if (n < N) return tile_group_i8<ND, N - 1, kExp3>(t, ps, n, j0, vscale);
+    if (n < N) return tile_group_i8<ND, N - 1, kExp3, kPv8>(t, ps, n, j0, vscale);
   }
-  tile_pairs_i8<ND, N, kExp3>(t, ps, j0, vscale);
+  tile_pairs_i8<ND, N, kExp3, kPv8>(t, ps, j0, vscale);
 }
 
 #if defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -258,7 +361,7 @@ inline void tile_pairs_amx_i8(const PackedTileI8<ND>& t, PairI8<ND>* ps, int n, 
 
 // attention_tiled over an int8 cache with the int8 Q K^T above (same work items, tiles, prefetch and
 // normalisation; see attention_tiled). D = ND * 16 with ND = 4 or 8.
-template <typename O, int ND, bool kExp3>
+template <typename O, int ND, bool kExp3, bool kPv8>
 void attention_tiled_i8_impl(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& token_seq,
                         const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
@@ -335,7 +438,7 @@ void attention_tiled_i8_impl(const torch::Tensor& q, const torch::Tensor& key_ca
         const bool pf = more && g_prefetch;
         if (!(profile & kSkipPack) || j0 == 0)
           tile->pack(rows[cur][0], rows[cur][1], pf ? rows[cur ^ 1][0] : nullptr, pf ? rows[cur ^ 1][1] : nullptr,
-                     !use_amx);
+                     !use_amx, kPv8 && !use_amx);
         const int64_t first = std::max<int64_t>(0, j0 - pos0) * G;
 #if defined(TINYVLLM_INT8_AMX)
         if (use_amx) {
@@ -346,7 +449,7 @@ void attention_tiled_i8_impl(const torch::Tensor& q, const torch::Tensor& key_ca
         }
 #endif
         for (int64_t p = first; p < pairs; p += NG)
-          tile_group_i8<ND, NG, kExp3>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
+          tile_group_i8<ND, NG, kExp3, kPv8>(*tile, st.data() + p, static_cast<int>(std::min<int64_t>(NG, pairs - p)),
                                 static_cast<int32_t>(j0), vscale);
       }
       for (int64_t p = 0; p < pairs; ++p) {
@@ -365,9 +468,11 @@ template <typename O, int ND>
 void attention_tiled_i8(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& token_seq,
                         const torch::Tensor& token_pos, double scale, torch::Tensor& out) {
-  if (g_int8_exp3)
-    attention_tiled_i8_impl<O, ND, true>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  if (g_int8_exp3 && g_int8_pv)  // pv8 on the vector path only: AMX keeps the bf16 P V tiles
+    attention_tiled_i8_impl<O, ND, true, true>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+  else if (g_int8_exp3)
+    attention_tiled_i8_impl<O, ND, true, false>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
   else
-    attention_tiled_i8_impl<O, ND, false>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
+    attention_tiled_i8_impl<O, ND, false, false>(q, key_cache, value_cache, block_tables, token_seq, token_pos, scale, out);
 }
 #endif  // __AVX512VNNI__

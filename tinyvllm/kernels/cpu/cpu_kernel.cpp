@@ -688,9 +688,11 @@ inline __m512 exp2_fast16(__m512 x) {
 // added (not on the pair's first tile, where o and l are still 0, nor when m stays: same bits as no
 // scaling). Which branches run depends only on the pair's own position,
 // scores and the tile, never on the other rows.
-template <int ND, bool kTileSum = false, __m512 (*Exp2)(__m512) = exp2_fast16>  // Exp2: attention_int8.h's may differ
-inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
-                           __m512& alpha) {
+//
+// tile_probs is its first half (the running max and the float32 probabilities p[kKvTile / 16], masked
+// positions 0), shared with attention_int8.h's int8 P V, which quantizes p itself.
+template <int ND, __m512 (*Exp2)(__m512) = exp2_fast16>
+inline bool tile_probs(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, __m512* p, __m512& alpha) {
   constexpr int NC = kKvTile / 16;
   const bool full = ps.pos - j0 >= kKvTile - 1 && ps.lo <= j0;  // every position of the tile is in the row's range
   __mmask16 mk[NC];
@@ -721,11 +723,19 @@ inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m51
     ps.m = m_new;
   }
   const __m512 mv = _mm512_set1_ps(ps.m);
-  __m512 p[NC];
   for (int c = 0; c < NC; ++c) {
     p[c] = Exp2(_mm512_fmsub_ps(s[c], vlog2, mv));
     if (!full) p[c] = _mm512_maskz_mov_ps(mk[c], p[c]);
   }
+  return changed;
+}
+
+template <int ND, bool kTileSum = false, __m512 (*Exp2)(__m512) = exp2_fast16>  // Exp2: attention_int8.h's may differ
+inline bool online_softmax(PairState<ND>& ps, const __m512* s, int32_t j0, __m512 vlog2, uint32_t* pb,
+                           __m512& alpha) {
+  constexpr int NC = kKvTile / 16;
+  __m512 p[NC];
+  const bool changed = tile_probs<ND, Exp2>(ps, s, j0, vlog2, p, alpha);
   if constexpr (kTileSum) {
     for (int c = 0; c < NC; c += 2) _mm512_store_si512(pb + c * 8, (__m512i)_mm512_cvtne2ps_pbh(p[c + 1], p[c]));
     if (changed) _mm512_store_ps(ps.l, _mm512_mul_ps(_mm512_load_ps(ps.l), alpha));
@@ -812,7 +822,10 @@ inline void tile_group(const PackedTile<ND, Kind>& t, PairState<ND>* ps, int n, 
 // bottleneck on AMX, then does no summing: 10 % of the attention time of a 512-token chunk).
 // Tiles 0-3: accumulators, 4: B, 5: A, 6: l, 7: the ones; all 16 rows x 64 bytes.
 inline bool amx_enabled() { return tv_cpu::os_grants_amx(); }
-bool g_amx = true;
+bool g_amx = [] {  // TINYVLLM_AMX_ATTENTION=0: the vdpbf16ps / VPDPBUSD tiles instead (A/B runs of a whole server)
+  const char* e = std::getenv("TINYVLLM_AMX_ATTENTION");
+  return !(e && e[0] == '0');
+}();
 
 inline void amx_configure() { tv_cpu::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
 
@@ -1548,7 +1561,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     (void)on;
 #endif
-  }, "tiled attention on AMX where available (default) or on AVX512-BF16 vdpbf16ps (tests, A/B)");
+  }, "tiled attention on AMX where available (default; TINYVLLM_AMX_ATTENTION=0 at load: off) or on the "
+     "AVX-512 vector tiles (tests, A/B)");
   m.def("amx_dot_ceiling", [](int64_t iters) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
     return amx_dot_ceiling<false>(iters);
@@ -1580,18 +1594,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether the int8 Q K^T attention over an int8 cache (attention_int8.h: VPDPBUSD / AMX-INT8) was compiled in");
-  m.def("set_int8_attention", [](bool on, int64_t profile, bool exp3) {
+  m.def("set_int8_attention", [](bool on, int64_t profile, bool exp3, bool pv8) {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(TINYVLLM_INT8_QK)
     g_int8_qk = on;
     g_int8_profile = static_cast<int>(profile);
     g_int8_exp3 = exp3;
+    g_int8_pv = pv8;
 #else
-    (void)on, (void)profile, (void)exp3;
+    (void)on, (void)profile, (void)exp3, (void)pv8;
 #endif
   }, "int8 cache, head size 64 / 128: the int8 Q K^T kernel (default) or bf16 tiles (A/B); exp3: its softmax's "
-     "degree-3 exp2 (default) or the bf16 kernel's degree-4 one (A/B); profile != 0 skips stages for "
+     "degree-3 exp2 (default) or the bf16 kernel's degree-4 one (A/B); pv8: P V in int8 on the vector path "
+     "(VPDPBUSD, default; with exp3 only) or bf16 (A/B; AMX always keeps bf16 P V); profile != 0 skips stages for "
      "measurements only (1 Q K^T, 2 softmax, 4 P V, 8 packing: wrong outputs)",
-     py::arg("on"), py::arg("profile") = 0, py::arg("exp3") = true);
+     py::arg("on"), py::arg("profile") = 0, py::arg("exp3") = true, py::arg("pv8") = true);
   m.def("set_prefetch", [](bool on) { g_prefetch = on; }, "attention software prefetch (for measurements)");
   m.def("set_parallel_pool", [](bool on) { return tv_pool::Pool::get().set_enabled(on); },
         "run the kernels' parallel loops on cpu_pool.h's pool (True) or at::parallel_for (False; the default "
