@@ -3,7 +3,7 @@
 Arms, interleaved round by round (the machine is shared: medians per arm, with the load average):
 ``bf16`` (the bf16 cache), ``int8/bf16qk`` (int8 cache on bf16 tiles: the kernel before the int8
 Q K^T), ``int8`` (the int8 Q K^T kernel, attention_int8.h: P V in int8 on the vector path, bf16 on
-AMX), optionally ``int8/exp4`` (int8 Q K^T with the bf16 kernel's degree-4 exp2) and ``int8/pv16``
+AMX), optionally ``int8/exp4`` (int8 Q K^T with the bf16 kernel's degree-4 exp2, and so bf16 P V) and ``int8/pv16``
 (P V in bf16 on the vector path too). Each arm is ``tinyvllm.benchmarks.prefill.run_prefill``, the
 function behind ``tinyvllm bench prefill``, with the same arguments.
 

@@ -75,10 +75,13 @@ def set_int8_variant(arm: str) -> str:
     """Select the int8 attention kernel an arm names in this process's C++ kernels, and return the arm's
     ``--kv-cache-dtype``. ``int8``: the default (int8 Q K^T; P V in int8 on the AVX-512 vector path, bf16
     on AMX); ``int8/pv16``: P V in bf16 on the vector path too (the kernel before the int8 P V);
-    ``int8/exp4``: the degree-4 exp2 (bf16 P V); ``int8/bf16qk``: the int8 cache on bf16 tiles."""
+    ``int8/exp4``: the degree-4 exp2 (and so bf16 P V: the int8 P V runs with the degree-3 one only);
+    ``int8/bf16qk``: the int8 cache on bf16 tiles."""
     from tinyvllm.kernels.cpu import cpu_kernels
 
     kv, _, variant = arm.partition("/")
+    if variant not in ("", "bf16qk", "exp4", "pv16"):
+        raise SystemExit(f"unknown int8 kernel variant {variant!r} in {arm!r}: bf16qk, exp4 or pv16")
     kernels = cpu_kernels()
     if kernels is not None and hasattr(kernels, "set_int8_attention"):
         kernels.set_int8_attention(variant != "bf16qk", 0, variant != "exp4", variant != "pv16")
@@ -122,7 +125,8 @@ def main() -> None:
     from tinyvllm.kernels.cpu import cpu_kernels
 
     if args.no_amx:
-        cpu_kernels().set_amx_attention(False)
+        if cpu_kernels() is not None:
+            cpu_kernels().set_amx_attention(False)
 
     if args.set == "chat":
         probe = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_memory="64MiB")

@@ -139,7 +139,8 @@ def main() -> None:
     if args.no_amx:
         from tinyvllm.kernels.cpu import cpu_kernels
 
-        cpu_kernels().set_amx_attention(False)
+        if cpu_kernels() is not None:
+            cpu_kernels().set_amx_attention(False)
 
     if args.write_text:
         docs = sorted(f for f in glob.glob(str(ROOT / "docs" / "*.md")) if not f.endswith("benchmarks.md"))

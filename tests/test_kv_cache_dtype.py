@@ -267,7 +267,11 @@ def _pv8_ref(q, cache, bt, bs, pos, d, tile=64):
     return emu / w.sum(-1, keepdim=True), exact / w.sum(-1, keepdim=True)
 
 
-@needs_kernels
+needs_int8_attention = pytest.mark.skipif(K is None or not K.has_int8_attention(),
+                                          reason="the int8 attention kernel (AVX512-VNNI + BF16) is not built here")
+
+
+@needs_int8_attention
 @pytest.mark.parametrize("d", [64, 128])
 def test_int8_pv_kernel_is_the_documented_rounding_of_p(d):
     """The int8 P V (the vector path's default; set_int8_attention(pv8=...)): with every score equal (q = 0) and
@@ -306,7 +310,7 @@ def test_int8_pv_kernel_is_the_documented_rounding_of_p(d):
     assert rel_emu < 1e-5 and rel_exact > 1e-3, (rel_emu, rel_exact)
 
 
-@needs_kernels
+@needs_int8_attention
 @pytest.mark.parametrize("d", [64, pytest.param(128, marks=pytest.mark.slow)])
 def test_int8_pv_kernel_matches_its_emulation_and_is_invariant(d):
     """The int8 P V on realistic scores: the kernel is near the float64 emulation of its rounding (the

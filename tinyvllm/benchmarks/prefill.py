@@ -110,7 +110,7 @@ def run_prefill(model: Any, backend: Any, kernels: Any, context: int, chunk: int
             attns.append(attn_s[0])
     finally:
         backend._rope_cache_attention = inner
-    amx = bool(kernels.has_amx_attention())
+    amx = bool(kernels.amx_attention_on())  # off under set_amx_attention(False) / TINYVLLM_AMX_ATTENTION=0
     dpbf16 = max(kernels.bf16_dot_ceiling(20000) for _ in range(3))
     amx_ceiling = max(kernels.amx_dot_ceiling(5000) for _ in range(3)) if amx else 0.0
     ceiling = amx_ceiling if amx else dpbf16

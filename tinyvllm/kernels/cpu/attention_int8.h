@@ -156,13 +156,14 @@ inline void quantize_query(const float* qrow, PairI8<ND>& p) {
 // Softmax and P V in int8 of one tile for N pairs, from their scores s (the int8 P V, pv8).
 // O = sum_j P_j V_j with V_j = s_v(j) v8_j: V's scale varies along the reduction, so it is folded into
 // the probabilities, P'_j = P_j s_v(j), which are quantized per (pair, tile) to unsigned bytes,
-// p8_j = round_half_even(P'_j * 255 / max_j P'_j) (masked and past-the-context positions: 0), and
+// p8_j = round_half_even(P'_j * 255 / max_j P'_j) (masked and past-the-context positions: 0; all 0 when
+// max_j P'_j < 2^-100), and
 // O += (max_j P'_j / 255) * float(sum_j p8_j v8_j), the int32 sum exact (at most 64 * 255 * 127) on
 // VPDPBUSD (u8 x s8, 4 positions per instruction: half the instructions of vdpbf16ps's 2). The
 // normaliser l adds the float32 probabilities. The rounding of P' is at most half a step of the tile's
 // largest P' (bf16 P: 2^-9 relative); SageAttention (Zhang et al., ICLR 2025) keeps P V in 16 bits
 // for that reason, so it was measured before it became the vector path's default (docs/kv-cache-dtype.md:
-// next-token KL against the bf16 cache equal to the bf16 P V's within 0.0003 nats on three prompt sets).
+// next-token KL against the bf16 cache within 0.0003 nats of the bf16 P V's on four prompt sets).
 // The scale and the rounding depend only on the pair's own row and the tile: invariance holds.
 template <int ND, int N, bool kExp3>
 inline void tile_pv8(const PackedTileI8<ND>& t, PairI8<ND>* ps, const __m512 (*s)[kKvTile / 16], int32_t j0,
@@ -188,9 +189,12 @@ inline void tile_pv8(const PackedTileI8<ND>& t, PairI8<ND>* ps, const __m512 (*s
       p[c] = _mm512_mul_ps(p[c], _mm512_load_ps(&t.vs[c * 16]));
       mx = _mm512_max_ps(mx, p[c]);
     }
+    // A tile whose largest P' is below 2^-100 of the row's running max (or 0: masked, zero V) adds
+    // nothing (p8 = 0): it is far below float32's resolution of O, and 255 / m must stay finite.
     const float m = _mm512_reduce_max_ps(mx);
-    psc[n] = m / 255.0f;
-    const __m512 inv = _mm512_set1_ps(m > 0.0f ? 255.0f / m : 0.0f);
+    const bool live = m > 0x1p-100f;
+    psc[n] = live ? m / 255.0f : 0.0f;
+    const __m512 inv = _mm512_set1_ps(live ? 255.0f / m : 0.0f);
     for (int c = 0; c < NC; ++c)
       _mm_store_si128(reinterpret_cast<__m128i*>(&p8[n][c * 16]),
                       _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(p[c], inv))));

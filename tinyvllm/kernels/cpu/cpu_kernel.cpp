@@ -1548,6 +1548,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return 0.0;
 #endif
   }, "FLOP/s of the tiled attention's bf16 dot-product loop on all threads (0 without AVX512_BF16)");
+  m.def("amx_attention_on", []() {
+#if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return g_amx && amx_enabled();
+#else
+    return false;
+#endif
+  }, "whether the tiled attention runs on AMX now (has_amx_attention and not switched off by set_amx_attention "
+     "or TINYVLLM_AMX_ATTENTION=0)");
   m.def("has_amx_attention", []() {
 #if defined(TINYVLLM_AVX512) && defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
     return amx_enabled();
