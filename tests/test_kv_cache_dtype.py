@@ -168,6 +168,22 @@ def _int8_qk_paths():
     return ["vnni"] + (["amx"] if K.has_amx_attention() else [])
 
 
+def _rows_every_way(attn, q, seq, pos):
+    """``attn(q, seq, pos)``'s rows, asserted bit for bit equal when computed in two chunks, batched after 25
+    rows of a second sequence (block table row 1, positions 100-124) and alone (decode rows 0, 17 and the
+    last). Returns the rows and the batched call's output (its first 25 rows are the other sequence's)."""
+    T = q.shape[0]
+    out = attn(q, seq, pos)
+    chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
+    both = attn(torch.cat([q[5:30], q]), torch.cat([torch.ones(25, dtype=torch.int64), seq]),
+                torch.cat([torch.arange(100, 125), pos]))
+    decode = torch.stack([attn(q[i:i + 1], seq[:1], pos[i:i + 1])[0] for i in (0, 17, T - 1)])
+    assert torch.equal(chunks, out)
+    assert torch.equal(both[25:], out)
+    assert torch.equal(decode, out[[0, 17, T - 1]])
+    return out, both
+
+
 def _int8_ref(q, cache, bt, bs, pos, d, quantize_q):
     """float64 attention over the dequantized int8 rows (logical order), with the query quantized as
     ``kv_quant.quantize_query`` defines (the scores then (q8 · k8) * qs * s_k, the dot product exact)
@@ -216,20 +232,12 @@ def test_int8_qk_kernel_matches_float64_with_the_same_query_quantization(path, d
     try:
         _set_path(True, path == "amx")
         K.set_int8_attention(True, pv8=False)  # bf16 P V (AMX's; the vector path's int8 P V: tests below)
-        out = attn(q, seq, pos)
-        chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
-        # batched with a second sequence (block table row 1) of other rows: seq 1's rows first
-        both = attn(torch.cat([q[5:30], q]), torch.cat([torch.ones(25, dtype=torch.int64), seq]),
-                    torch.cat([torch.arange(100, 125), pos]))
-        decode = torch.stack([attn(q[i:i + 1], seq[:1], pos[i:i + 1])[0] for i in (0, 17, T - 1)])
+        out, both = _rows_every_way(attn, q, seq, pos)
         K.set_int8_attention(False)
         bf16_tiles = attn(q, seq, pos)
     finally:
         K.set_int8_attention(True)
         _set_path(True, True)
-    assert torch.equal(chunks, out)
-    assert torch.equal(both[25:], out)
-    assert torch.equal(decode, out[[0, 17, T - 1]])
     assert not torch.equal(bf16_tiles, out)
     ref_q8 = _int8_ref(q, cache, bt[:1], bs, pos, d, True)
     ref_f = _int8_ref(q, cache, bt[:1], bs, pos, d, False)
@@ -335,19 +343,12 @@ def test_int8_pv_kernel_matches_its_emulation_and_is_invariant(d):
     try:
         _set_path(True, False)
         K.set_int8_attention(True, pv8=True)
-        out = attn(q, seq, pos)
-        chunks = torch.cat([attn(q[:17], seq[:17], pos[:17]), attn(q[17:], seq[17:], pos[17:])])
-        both = attn(torch.cat([q[5:30], q]), torch.cat([torch.ones(25, dtype=torch.int64), seq]),
-                    torch.cat([torch.arange(100, 125), pos]))
-        decode = torch.stack([attn(q[i:i + 1], seq[:1], pos[i:i + 1])[0] for i in (0, 17, T - 1)])
+        out, _ = _rows_every_way(attn, q, seq, pos)
         K.set_int8_attention(True, pv8=False)
         bf16_pv = attn(q, seq, pos)
     finally:
         K.set_int8_attention(True)
         _set_path(True, True)
-    assert torch.equal(chunks, out)
-    assert torch.equal(both[25:], out)
-    assert torch.equal(decode, out[[0, 17, T - 1]])
     assert not torch.equal(bf16_pv, out)
     emu, exact = _pv8_ref(q, cache, bt[:1], bs, pos, d)
     rel_emu = float((out.double() - emu).norm() / emu.norm())
