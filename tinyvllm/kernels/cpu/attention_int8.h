@@ -189,8 +189,9 @@ inline void tile_pv8(const PackedTileI8<ND>& t, PairI8<ND>* ps, const __m512 (*s
       p[c] = _mm512_mul_ps(p[c], _mm512_load_ps(&t.vs[c * 16]));
       mx = _mm512_max_ps(mx, p[c]);
     }
-    // A tile whose largest P' is below 2^-100 of the row's running max (or 0: masked, zero V) adds
-    // nothing (p8 = 0): it is far below float32's resolution of O, and 255 / m must stay finite.
+    // A tile whose largest P' (P <= 1 against the running max, times V's scale) is below 2^-100, or 0
+    // (masked, zero V), adds nothing (p8 = 0): 255 / m must stay finite, and such a tile is far below
+    // float32's resolution of O for any V a bf16 model holds.
     const float m = _mm512_reduce_max_ps(mx);
     const bool live = m > 0x1p-100f;
     psc[n] = live ? m / 255.0f : 0.0f;
