@@ -124,9 +124,8 @@ def main() -> None:
     from tinyvllm import LLM
     from tinyvllm.kernels.cpu import cpu_kernels
 
-    if args.no_amx:
-        if cpu_kernels() is not None:
-            cpu_kernels().set_amx_attention(False)
+    if args.no_amx and (kernels := cpu_kernels()) is not None:
+        kernels.set_amx_attention(False)
 
     if args.set == "chat":
         probe = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", kv_cache_memory="64MiB")

@@ -139,8 +139,8 @@ def main() -> None:
     if args.no_amx:
         from tinyvllm.kernels.cpu import cpu_kernels
 
-        if cpu_kernels() is not None:
-            cpu_kernels().set_amx_attention(False)
+        if (kernels := cpu_kernels()) is not None:
+            kernels.set_amx_attention(False)
 
     if args.write_text:
         docs = sorted(f for f in glob.glob(str(ROOT / "docs" / "*.md")) if not f.endswith("benchmarks.md"))
